@@ -1,0 +1,1 @@
+"""Kernels: a torch reference path for every op, Triton versions for GPUs."""

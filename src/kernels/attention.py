@@ -1,0 +1,145 @@
+"""Paged attention over a block-structured KV cache: the torch reference path.
+
+KV layout per layer: K and V each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+A token at position ``p`` of a request lives in slot
+``block_table[p // block_size] * block_size + p % block_size``.
+
+One step's batch is flattened: ``T`` query tokens from ``B`` requests, decodes
+(one query token each) first, then prefill chunks. The causal mask is
+bottom-right aligned: query ``j`` of a request whose chunk has ``q_len`` tokens
+and whose KV (after this step) has ``seq_len`` tokens sees keys
+``0 .. seq_len - q_len + j``; this is what makes chunked prefill and prefix
+hits correct.
+
+Everything that depends only on the batch (gather indices, masks) is built once
+per step in :class:`AttentionMetadata` and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegment:
+    """One request's prefill chunk: query rows ``[q_start, q_end)`` of the batch."""
+
+    q_start: int
+    q_end: int
+    kv_slots: torch.Tensor  # [seq_len] flat slot of every key position
+    mask: torch.Tensor | None  # [q_len, seq_len] bool, None when plain causal (no prefix)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat slot per query token (-1 = padding, not stored)
+    num_decodes: int = 0  # decode requests come first, one token each
+    decode_kv_slots: torch.Tensor | None = None  # [num_decodes, max_seq_len]
+    decode_key_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_seq_len] bool
+    prefills: list[PrefillSegment] = field(default_factory=list)
+
+    @staticmethod
+    def build(
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """Metadata for a batch whose first requests are decodes (query_len 1)."""
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        table = torch.zeros(len(block_tables), max(max_blocks, 1), dtype=torch.int64)
+        for i, row in enumerate(block_tables):
+            table[i, : len(row)] = torch.as_tensor(row, dtype=torch.int64)
+        seq = torch.as_tensor(seq_lens, dtype=torch.int64)
+        qlen = torch.as_tensor(query_lens, dtype=torch.int64)
+
+        # Slot of every scheduled query token: positions seq_len - q_len .. seq_len - 1.
+        req_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), qlen)
+        starts = torch.cumsum(qlen, 0) - qlen
+        pos = (seq - qlen)[req_of_token] + torch.arange(int(qlen.sum())) - starts[req_of_token]
+        slot_mapping = table[req_of_token, pos // block_size] * block_size + pos % block_size
+
+        meta = AttentionMetadata(slot_mapping=slot_mapping.to(device), num_decodes=num_decodes)
+        if num_decodes:
+            max_len = int(seq[:num_decodes].max())
+            kpos = torch.arange(max_len)
+            rows = table[:num_decodes]
+            slots = rows.gather(1, (kpos // block_size).expand(num_decodes, -1).clamp(max=rows.shape[1] - 1))
+            slots = slots * block_size + kpos % block_size
+            valid = kpos[None, :] < seq[:num_decodes, None]
+            meta.decode_kv_slots = torch.where(valid, slots, 0).to(device)
+            meta.decode_key_mask = valid[:, None, None, :].to(device)
+        q_start = num_decodes
+        for i in range(num_decodes, len(query_lens)):
+            q_len, s_len = query_lens[i], seq_lens[i]
+            kpos = torch.arange(s_len)
+            slots = table[i, kpos // block_size] * block_size + kpos % block_size
+            mask = None
+            if q_len != s_len:  # a prefix is already cached: bottom-right aligned causal mask
+                qpos = torch.arange(s_len - q_len, s_len)
+                mask = (kpos[None, :] <= qpos[:, None]).to(device)
+            meta.prefills.append(PrefillSegment(q_start, q_start + q_len, slots.to(device), mask))
+            q_start += q_len
+        return meta
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write this step's keys/values ``[T, kv_heads, head_dim]`` into their slots; slot -1 is skipped."""
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    if (slot_mapping < 0).any():
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_flat.index_copy_(0, slot_mapping, k)
+    v_flat.index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of ``q [T, heads, head_dim]`` over the paged cache; returns ``[T, heads, head_dim]``.
+
+    Assumes this step's K/V were already stored. GQA: ``heads`` is a multiple of the
+    cache's ``kv_heads``.
+    """
+    out = torch.empty_like(q)
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    gqa = q.shape[1] != k_flat.shape[1]
+    n = meta.num_decodes
+    if n:
+        keys = k_flat[meta.decode_kv_slots].transpose(1, 2)  # [n, kv_heads, S, D]
+        values = v_flat[meta.decode_kv_slots].transpose(1, 2)
+        query = q[:n].unsqueeze(2)  # [n, heads, 1, D]
+        o = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=meta.decode_key_mask, scale=scale, enable_gqa=gqa
+        )
+        out[:n] = o.squeeze(2)
+    for seg in meta.prefills:
+        query = q[seg.q_start : seg.q_end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
+        keys = k_flat[seg.kv_slots].transpose(0, 1).unsqueeze(0)
+        values = v_flat[seg.kv_slots].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            query,
+            keys,
+            values,
+            attn_mask=seg.mask,
+            is_causal=seg.mask is None,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        out[seg.q_start : seg.q_end] = o.squeeze(0).transpose(0, 1)
+    return out

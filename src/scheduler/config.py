@@ -1,0 +1,33 @@
+"""Engine configuration shared by the CLI, the scheduler process and the offline engine."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    model: str = "smollm2"
+    device: str = "auto"  # auto | cpu | cuda[:N] | npu[:N]
+    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on GPUs) | float32 | bfloat16 | float16
+    block_size: int = 16
+    kv_cache_tokens: int | None = None  # KV capacity in tokens; None = from kv_cache_memory
+    kv_cache_memory: str | None = None  # e.g. "2GiB"; None = default budget for the device
+    max_running_requests: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None = the model's context length
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads on CPU; None = all cores
+    seed: int = 0
+    served_model_name: str | None = None
+
+
+def parse_memory_size(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    units = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+             "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if not num or unit not in units:
+        raise ValueError(f"cannot read memory size {text!r} (try e.g. 2GiB or 512MiB)")
+    return int(float(num) * units[unit])

@@ -1,0 +1,58 @@
+"""Device abstraction: CPU, CUDA and (through torch_npu's same API) Ascend NPUs."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def _npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401  (registers torch.npu)
+
+    return torch.npu.is_available()
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if _npu_available():
+            return torch.device("npu")
+        return torch.device("cpu")
+    if name.startswith("npu"):
+        _npu_available()
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+def accelerator_module(device: torch.device):
+    """torch.cuda / torch.npu for accelerators, None on CPU."""
+    return None if device.type == "cpu" else getattr(torch, device.type)
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    mod = accelerator_module(device)
+    if mod is None:
+        return None
+    free, _total = mod.mem_get_info(device)
+    return free
+
+
+def synchronize(device: torch.device) -> None:
+    mod = accelerator_module(device)
+    if mod is not None:
+        mod.synchronize(device)

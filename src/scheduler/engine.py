@@ -1,0 +1,149 @@
+"""The engine: scheduler + model runner, stepped by the scheduler process or used
+offline (tests, benchmarks) through :meth:`Engine.generate`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .block_pool import BlockPool
+from .config import EngineConfig
+from .kv_manager import KVCacheManager
+from .messages import AddRequest, RequestOutput, SamplingParams, StepOutput
+from .model_runner import ModelRunner
+from .request import Request
+from .scheduler import AdmissionError, Scheduler, SchedulerConfig
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    max_batch_size: int = 0
+    max_step_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+    batch_size_histogram: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str | None
+    num_cached_tokens: int
+    token_times: list[float]  # wall time at which each output token became available
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
+        self.config = config
+        self.runner = runner or ModelRunner(config)
+        mc = self.runner.model_config
+        self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool)
+        eos = frozenset(mc.eos_token_ids)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_running_requests=config.max_running_requests,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.runner.max_model_len,
+            ),
+            self.kv,
+            eos,
+        )
+        self.stats = EngineStats()
+
+    # -- requests ----------------------------------------------------------------------
+    def add_request(self, msg: AddRequest) -> Request:
+        """Queue a request; raises AdmissionError for one that can never run."""
+        return self.scheduler.add_request(msg)
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- stepping ----------------------------------------------------------------------
+    def step(self) -> StepOutput:
+        batch = self.scheduler.schedule()
+        sampled = self.runner.execute(batch) if len(batch) else []
+        self.scheduler.update(batch, sampled)
+        self._record(batch)
+        outputs = [self._output_of(req) for req in batch.requests if not req.is_finished]
+        outputs = [o for o in outputs if o is not None] + self.finished_outputs()
+        return StepOutput(outputs=outputs, step=self.stats.steps, batch_size=len(batch), num_tokens=batch.num_tokens)
+
+    def finished_outputs(self) -> list[RequestOutput]:
+        """Final outputs of every request finished since the last call (aborts included)."""
+        return [self._output_of(req, force=True) for req in self.scheduler.take_finished()]
+
+    def _output_of(self, req: Request, force: bool = False) -> RequestOutput | None:
+        new = req.output_ids[req.num_sent_tokens :]
+        if not new and not force:
+            return None
+        req.num_sent_tokens = req.num_output_tokens
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            num_output_tokens=req.num_output_tokens,
+            finish_reason=req.finish_reason,
+            matched_token_id=req.matched_token_id,
+        )
+
+    def _record(self, batch) -> None:
+        s = self.stats
+        s.steps += 1
+        n = len(batch)
+        s.max_batch_size = max(s.max_batch_size, n)
+        s.max_step_tokens = max(s.max_step_tokens, batch.num_tokens)
+        s.batch_size_histogram[n] = s.batch_size_histogram.get(n, 0) + 1
+
+    def stats_dict(self) -> dict:
+        s = self.stats
+        return {
+            "steps": s.steps,
+            "max_batch_size": s.max_batch_size,
+            "max_step_tokens": s.max_step_tokens,
+            "batch_size_histogram": {str(k): v for k, v in sorted(s.batch_size_histogram.items())},
+            "num_running_reqs": len(self.scheduler.running),
+            "num_waiting_reqs": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_used_blocks": self.pool.num_used_blocks,
+            "num_free_blocks": self.pool.num_free_blocks,
+            "num_total_blocks": self.pool.num_blocks,
+            "num_used_tokens": self.pool.num_used_blocks * self.pool.block_size,
+            "max_total_num_tokens": self.kv.capacity_tokens,
+            "block_size": self.pool.block_size,
+        }
+
+    # -- offline API -------------------------------------------------------------------
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
+    ) -> list[Completion]:
+        """Run prompts to completion with continuous batching; results in prompt order."""
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        ids = [f"offline-{self.stats.steps}-{i}" for i in range(len(prompts))]
+        results = {
+            rid: Completion(rid, list(p), [], None, 0, []) for rid, p in zip(ids, prompts)
+        }
+        for rid, prompt, sp in zip(ids, prompts, params):
+            self.add_request(AddRequest(rid, list(prompt), sp, time.perf_counter()))
+        while self.has_work():
+            out = self.step()
+            now = time.perf_counter()
+            for o in out.outputs:
+                c = results[o.request_id]
+                c.output_ids.extend(o.new_token_ids)
+                c.token_times.extend([now] * len(o.new_token_ids))
+                c.num_cached_tokens = o.num_cached_tokens
+                if o.finish_reason:
+                    c.finish_reason = o.finish_reason
+        return [results[rid] for rid in ids]
+
+
+__all__ = ["Engine", "Completion", "AdmissionError"]

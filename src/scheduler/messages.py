@@ -1,0 +1,106 @@
+"""Messages between the gRPC servicer and the scheduler process (msgspec over ZMQ).
+
+servicer -> scheduler: AddRequest, AbortRequest, ControlRequest.
+scheduler -> servicer: EngineReady (once, after load), StepOutput (one per step that
+produced anything), ControlReply, Heartbeat (while idle), EngineDead.
+
+Kept free of torch imports: the servicer process imports this module too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    """Normalised sampling parameters (proto3 zeros already mapped to their meaning)."""
+
+    temperature: float = 1.0  # <= 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    max_new_tokens: int | None = None  # None = up to the context limit
+    min_new_tokens: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    request_id: str
+    reason: str = ""
+
+
+class ControlRequest(msgspec.Struct, tag=True):
+    """An admin call that wants a reply (stats, flush cache, profiling)."""
+
+    call_id: int
+    method: str
+    args: dict[str, Any] = {}
+
+
+class RequestOutput(msgspec.Struct, omit_defaults=True):
+    """What one request produced in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    matched_token_id: int | None = None
+    error: str | None = None  # set when the scheduler refused the request
+    error_code: str | None = None  # gRPC status name for `error`
+
+
+class StepOutput(msgspec.Struct, tag=True):
+    outputs: list[RequestOutput]
+    step: int
+    batch_size: int
+    num_tokens: int
+
+
+class Heartbeat(msgspec.Struct, tag=True):
+    step: int
+    num_running: int
+    num_waiting: int
+
+
+class EngineReady(msgspec.Struct, tag=True):
+    model_info: dict[str, Any]
+
+
+class ControlReply(msgspec.Struct, tag=True):
+    call_id: int
+    ok: bool
+    result: dict[str, Any] = {}
+    message: str = ""
+
+
+class EngineDead(msgspec.Struct, tag=True):
+    reason: str
+
+
+ToScheduler = Union[AddRequest, AbortRequest, ControlRequest]
+FromScheduler = Union[EngineReady, StepOutput, Heartbeat, ControlReply, EngineDead]
+
+to_scheduler_encoder = msgspec.msgpack.Encoder()
+to_scheduler_decoder = msgspec.msgpack.Decoder(ToScheduler)
+from_scheduler_encoder = msgspec.msgpack.Encoder()
+from_scheduler_decoder = msgspec.msgpack.Decoder(FromScheduler)

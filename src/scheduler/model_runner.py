@@ -1,0 +1,126 @@
+"""Model runner: owns the weights and the paged KV cache, turns a scheduled batch into
+tensors, runs the forward pass and samples.
+
+Only the rows that sample (the last token of every request whose known tokens are
+all computed after this step) go through the LM head.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kernels.attention import AttentionMetadata
+from kernels.sampling import SamplingTensors, sample
+
+from .config import EngineConfig, parse_memory_size
+from .device import free_memory_bytes, resolve_device, resolve_dtype, synchronize
+from .model_source import resolve_model
+from .models import build_model
+from .scheduler import ScheduledBatch
+from .weights import load_checkpoint
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 2 * 2**30
+GPU_MEMORY_FRACTION = 0.85  # of the memory free after weights, for the KV cache
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        torch.manual_seed(config.seed)
+
+        self.model_path = resolve_model(config.model)
+        self.model_config, state_dict = load_checkpoint(self.model_path)
+        model = build_model(self.model_config)
+        model.load_weights(state_dict)
+        del state_dict
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        self.block_size = config.block_size
+        self.num_blocks = self._num_kv_blocks()
+        self._allocate_kv_cache()
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.seed)
+
+    # -- KV cache --------------------------------------------------------------------
+    def _bytes_per_token(self) -> int:
+        mc = self.model_config
+        return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        per_block = self._bytes_per_token() * self.block_size
+        if self.config.kv_cache_tokens is not None:
+            return -(-self.config.kv_cache_tokens // self.block_size) + 1  # + the null block
+        if self.config.kv_cache_memory is not None:
+            budget = parse_memory_size(self.config.kv_cache_memory)
+        elif self.device.type == "cpu":
+            budget = CPU_DEFAULT_KV_BYTES
+        else:
+            budget = int(free_memory_bytes(self.device) * GPU_MEMORY_FRACTION)
+        return max(budget // per_block, 2)
+
+    def _allocate_kv_cache(self) -> None:
+        mc = self.model_config
+        shape = (mc.num_layers, 2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.2f GiB, %s)",
+            self.num_blocks - 1,
+            self.block_size,
+            self.kv_cache.numel() * self.dtype.itemsize / 2**30,
+            self.dtype,
+        )
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.numel() * self.dtype.itemsize
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    # -- one step --------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        """Run one step; returns a sampled token for every request that samples, in order."""
+        input_ids, positions, query_lens, seq_lens, tables, sample_rows, samplers = [], [], [], [], [], [], []
+        offset = 0
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            start = req.num_computed_tokens
+            input_ids.extend(req.token_ids[start : start + n])
+            positions.append((start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(req.block_ids)
+            offset += n
+            if start + n == req.num_tokens:
+                sample_rows.append(offset - 1)
+                samplers.append(req.sampling)
+        dev = self.device
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos = torch.cat([torch.arange(a, b) for a, b in positions]).to(dev)
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, dev)
+        hidden = self.model(ids, pos, self.kv_caches, meta)
+        if not sample_rows:
+            return []
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        params = SamplingTensors.build(
+            [s.temperature for s in samplers], [s.top_p for s in samplers], [s.top_k for s in samplers], dev
+        )
+        tokens = sample(logits.float(), params, self.generator)
+        return tokens.tolist()
+
+    def synchronize(self) -> None:
+        synchronize(self.device)

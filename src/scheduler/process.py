@@ -1,0 +1,199 @@
+"""The scheduler process: receives requests over ZMQ, steps the engine, streams outputs back.
+
+Started by the servicer as ``python -m scheduler.process --config JSON --inbox ADDR --outbox ADDR``.
+Sends EngineReady once the model is loaded, a StepOutput after every step that
+produced something, and a Heartbeat at least every ``HEARTBEAT_S`` otherwise, so the
+servicer can tell a live scheduler from a stuck one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from .config import EngineConfig
+from .messages import (
+    AbortRequest,
+    AddRequest,
+    ControlReply,
+    ControlRequest,
+    EngineDead,
+    EngineReady,
+    Heartbeat,
+    RequestOutput,
+    StepOutput,
+    from_scheduler_encoder,
+    to_scheduler_decoder,
+)
+
+logger = logging.getLogger("scheduler")
+HEARTBEAT_S = 0.25
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGTERM us when the servicer dies, so no orphan keeps the KV."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def model_info(engine, config: EngineConfig) -> dict:
+    from .model_source import prepare_tokenizer_dir
+
+    runner = engine.runner
+    mc = runner.model_config
+    return {
+        "model_path": runner.model_path,
+        "tokenizer_path": prepare_tokenizer_dir(runner.model_path),
+        "served_model_name": config.served_model_name or "",
+        "max_context_length": runner.max_model_len,
+        "vocab_size": mc.vocab_size,
+        "eos_token_ids": list(mc.eos_token_ids),
+        "bos_token_id": mc.bos_token_id if mc.bos_token_id is not None else 0,
+        "pad_token_id": mc.pad_token_id if mc.pad_token_id is not None else 0,
+        "model_type": mc.model_type,
+        "architectures": [mc.architecture],
+        "max_total_num_tokens": engine.kv.capacity_tokens,
+        "max_running_requests": config.max_running_requests,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "block_size": config.block_size,
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "weight_gb": runner.weight_bytes / 2**30,
+        "kv_cache_gb": runner.kv_cache_bytes / 2**30,
+    }
+
+
+class SchedulerLoop:
+    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket):
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.poller = zmq.Poller()
+        self.poller.register(inbox, zmq.POLLIN)
+        self.last_sent = 0.0
+
+    def send(self, msg) -> None:
+        self.outbox.send(from_scheduler_encoder.encode(msg), copy=False)
+        self.last_sent = time.monotonic()
+
+    def run(self) -> None:
+        while True:
+            busy = self.engine.has_work()
+            timeout_ms = 0 if busy else int(HEARTBEAT_S * 1000)
+            if self.poller.poll(timeout_ms):
+                self._drain_inbox()
+            if self.engine.has_work():
+                out = self.engine.step()
+                if out.outputs:
+                    self.send(out)
+            if time.monotonic() - self.last_sent >= HEARTBEAT_S:
+                s = self.engine.scheduler
+                self.send(Heartbeat(self.engine.stats.steps, len(s.running), len(s.waiting)))
+
+    def _drain_inbox(self) -> None:
+        refused: list[RequestOutput] = []
+        while True:
+            try:
+                raw = self.inbox.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            msg = to_scheduler_decoder.decode(raw.buffer)
+            if isinstance(msg, AddRequest):
+                err = self._add(msg)
+                if err is not None:
+                    refused.append(err)
+            elif isinstance(msg, AbortRequest):
+                self.engine.abort(msg.request_id)
+            elif isinstance(msg, ControlRequest):
+                self.send(self._control(msg))
+        # Aborts finish requests outside a step: report them (and refusals) right away.
+        finished = self.engine.finished_outputs()
+        if refused or finished:
+            self.send(StepOutput(outputs=refused + finished, step=self.engine.stats.steps, batch_size=0, num_tokens=0))
+
+    def _add(self, msg: AddRequest) -> RequestOutput | None:
+        from .scheduler import AdmissionError
+
+        try:
+            self.engine.add_request(msg)
+            return None
+        except AdmissionError as e:
+            return RequestOutput(
+                request_id=msg.request_id,
+                new_token_ids=[],
+                num_prompt_tokens=len(msg.input_ids),
+                num_cached_tokens=0,
+                num_output_tokens=0,
+                finish_reason="abort",
+                error=str(e),
+                error_code=e.code,
+            )
+
+    def _control(self, msg: ControlRequest) -> ControlReply:
+        try:
+            if msg.method == "stats":
+                return ControlReply(msg.call_id, True, self.engine.stats_dict())
+            return ControlReply(msg.call_id, False, message=f"unknown control method {msg.method!r}")
+        except Exception as e:  # an admin call must never take the scheduler down
+            logger.exception("control call %s failed", msg.method)
+            return ControlReply(msg.call_id, False, message=f"{type(e).__name__}: {e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="scheduler process (started by the servicer)")
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--inbox", required=True, help="ZMQ address to PULL requests from")
+    parser.add_argument("--outbox", required=True, help="ZMQ address to PUSH outputs to")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s scheduler[%(process)d]: %(message)s"
+    )
+    _die_with_parent()
+    config = msgspec.json.decode(args.config, type=EngineConfig)
+
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(args.inbox)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 1000)
+    outbox.connect(args.outbox)
+
+    def send(msg) -> None:
+        outbox.send(from_scheduler_encoder.encode(msg))
+
+    try:
+        from .engine import Engine
+
+        engine = Engine(config)
+        send(EngineReady(model_info(engine, config)))
+    except Exception as e:
+        logger.error("scheduler start-up failed: %s\n%s", e, traceback.format_exc())
+        send(EngineDead(f"start-up failed: {type(e).__name__}: {e}"))
+        outbox.close()
+        ctx.term()
+        return 1
+    logger.info("scheduler ready (pid %d)", os.getpid())
+    try:
+        SchedulerLoop(engine, inbox, outbox).run()
+    except KeyboardInterrupt:
+        return 0
+    except Exception as e:
+        logger.error("scheduler loop crashed: %s\n%s", e, traceback.format_exc())
+        send(EngineDead(f"scheduler crashed: {type(e).__name__}: {e}"))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Continuous-batching scheduler: one flattened batch per step under a token budget.
+
+Each step: running requests first (decodes and unfinished prefill chunks), then
+waiting requests FCFS with prefix lookup, the last one possibly chunked. When the
+pool runs dry the newest running request is preempted by recompute: its blocks are
+freed and it goes back to the head of the queue with its tokens so far.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_manager import KVCacheManager
+from .messages import AddRequest
+from .request import Request, Status
+
+
+class AdmissionError(Exception):
+    """A request that can never run; ``code`` is the gRPC status name to answer with."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request] = field(default_factory=list)  # decodes (1 token) first
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+@dataclass
+class SchedulerConfig:
+    max_running_requests: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: frozenset[int]):
+        self.config = config
+        self.kv = kv
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.finished: list[Request] = []  # finished since the last drain (aborts included)
+        self.num_preemptions = 0
+
+    # -- admission -------------------------------------------------------------------
+    def add_request(self, msg: AddRequest) -> Request:
+        if msg.request_id in self.requests:
+            raise AdmissionError("ALREADY_EXISTS", f"request id {msg.request_id!r} is already in flight")
+        n = len(msg.input_ids)
+        limit = self.config.max_model_len
+        if n == 0:
+            raise AdmissionError("INVALID_ARGUMENT", "the prompt is empty")
+        if n >= limit:
+            raise AdmissionError(
+                "INVALID_ARGUMENT", f"the prompt has {n} tokens; the context limit is {limit} (prompt must be shorter)"
+            )
+        max_new = msg.sampling.max_new_tokens
+        if max_new is not None and n + max_new > limit:
+            raise AdmissionError(
+                "INVALID_ARGUMENT",
+                f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the context limit of {limit} tokens",
+            )
+        capacity = self.kv.capacity_tokens
+        if max_new is None:
+            max_new = min(limit, capacity) - n  # up to the context (and what the KV can ever hold)
+            if max_new < 1:
+                raise AdmissionError(
+                    "RESOURCE_EXHAUSTED", f"the prompt has {n} tokens; the KV cache holds {capacity} tokens in all"
+                )
+        elif n + max_new > capacity:
+            raise AdmissionError(
+                "RESOURCE_EXHAUSTED",
+                f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the whole KV cache ({capacity} tokens)",
+            )
+        req = Request(msg.request_id, msg.input_ids, msg.sampling, max_new, self.eos_token_ids, msg.arrival_time)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.finish("abort")
+        self._retire(req)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step --------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                i += 1
+
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_running_requests
+        ):
+            req = self.waiting[0]
+            cached = self.kv.find_cached_prefix(req)
+            num_cached = len(cached) * self.kv.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.kv.can_admit(req, cached, n):
+                break
+            self.waiting.popleft()
+            self.kv.admit(req, cached)
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_cached
+            self.kv.allocate(req, n)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+
+        # Single-token steps (decodes) first: the attention path batches them together.
+        scheduled.sort(key=lambda item: item[1] != 1)
+        return ScheduledBatch([r for r, _ in scheduled], [n for _, n in scheduled])
+
+    def update(self, batch: ScheduledBatch, sampled: list[int]) -> None:
+        """Advance every scheduled request; ``sampled`` has one token per request that
+        reached the end of its known tokens this step, in batch order."""
+        it = iter(sampled)
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens:
+                req.append_token(next(it))
+            self.kv.commit(req)
+            if req.is_finished:
+                self.running.remove(req)
+                self._retire(req)
+
+    def take_finished(self) -> list[Request]:
+        done, self.finished = self.finished, []
+        return done
+
+    # -- internals -------------------------------------------------------------------
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _retire(self, req: Request) -> None:
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self.finished.append(req)

@@ -1,0 +1,111 @@
+"""Block pool and per-request KV bookkeeping: allocation, ref counts, prefix cache, events."""
+
+import pytest
+
+from scheduler.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, NULL_BLOCK, hash_block
+from scheduler.kv_manager import KVCacheManager
+from scheduler.messages import SamplingParams
+from scheduler.request import Request
+
+
+def make_request(rid, tokens, max_new=4):
+    return Request(rid, tokens, SamplingParams(temperature=0.0), max_new, frozenset({2}))
+
+
+def test_null_block_is_never_handed_out():
+    pool = BlockPool(num_blocks=5, block_size=4)
+    assert pool.num_blocks == 4 and pool.num_free_blocks == 4
+    ids = pool.allocate(4)
+    assert NULL_BLOCK not in ids and sorted(ids) == [1, 2, 3, 4]
+    with pytest.raises(RuntimeError):
+        pool.allocate(1)
+
+
+def test_free_returns_blocks_and_keeps_eviction_order():
+    pool = BlockPool(num_blocks=5, block_size=4)
+    a = pool.allocate(2)
+    pool.free(list(reversed(a)))  # tail first: a[1] is evicted before a[0]
+    assert pool.num_free_blocks == 4
+    order = list(pool.free_queue)
+    assert order.index(a[1]) < order.index(a[0])
+
+
+def test_shared_block_needs_every_reference_dropped():
+    pool = BlockPool(num_blocks=3, block_size=4)
+    (b,) = pool.allocate(1)
+    pool.touch([b])
+    pool.free([b])
+    assert pool.num_free_blocks == 1
+    pool.free([b])
+    assert pool.num_free_blocks == 2
+
+
+def test_hash_chain_depends_on_parent():
+    h1 = hash_block(None, [1, 2, 3, 4])
+    assert hash_block(h1, [5, 6, 7, 8]) != hash_block(None, [5, 6, 7, 8])
+    assert hash_block(None, [1, 2, 3, 4], b"salt") != h1
+
+
+def test_prefix_hit_shares_blocks_and_leaves_last_token_to_compute():
+    pool = BlockPool(num_blocks=16, block_size=4)
+    kv = KVCacheManager(pool)
+    prompt = list(range(10, 22))  # 12 tokens = 3 full blocks
+    first = make_request("a", prompt)
+    assert kv.find_cached_prefix(first) == []
+    kv.admit(first, [])
+    assert kv.allocate(first, 12)
+    first.num_computed_tokens = 12
+    kv.commit(first)
+    stored = [e for e in pool.take_events() if isinstance(e, BlockStored)]
+    assert len(stored) == 3 and stored[1].parent_hash == stored[0].block_hash
+    assert all(len(e.token_ids) == 4 for e in stored)
+
+    second = make_request("b", prompt)
+    hits = kv.find_cached_prefix(second)
+    assert hits == first.block_ids[:2]  # the third block holds the last token: recomputed
+    kv.admit(second, hits)
+    assert second.num_computed_tokens == 8
+    assert all(pool.blocks[b].ref_cnt == 2 for b in hits)
+
+    kv.free(first)
+    kv.free(second)
+    assert pool.num_free_blocks == pool.num_blocks  # nothing leaked
+    # Freed blocks stay cached until reused.
+    assert kv.find_cached_prefix(make_request("c", prompt)) == hits
+
+
+def test_reusing_a_cached_block_emits_removed():
+    pool = BlockPool(num_blocks=3, block_size=2)
+    kv = KVCacheManager(pool)
+    r = make_request("a", [5, 6, 7, 8])
+    kv.admit(r, [])
+    kv.allocate(r, 4)
+    r.num_computed_tokens = 4
+    kv.commit(r)
+    kv.free(r)
+    pool.take_events()
+    pool.allocate(2)  # the pool is full of cached blocks: both get evicted
+    events = pool.take_events()
+    assert [type(e) for e in events] == [BlockRemoved, BlockRemoved]
+    assert not pool.cached
+
+
+def test_reset_prefix_cache_refused_while_in_use():
+    pool = BlockPool(num_blocks=4, block_size=2)
+    ids = pool.allocate(1)
+    assert not pool.reset_prefix_cache()
+    pool.free(ids)
+    assert pool.reset_prefix_cache()
+    assert isinstance(pool.take_events()[-1], AllBlocksCleared)
+
+
+def test_prefix_caching_disabled_never_hits():
+    pool = BlockPool(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    kv = KVCacheManager(pool)
+    r = make_request("a", [1, 2, 3, 4, 5])
+    kv.admit(r, [])
+    kv.allocate(r, 5)
+    r.num_computed_tokens = 5
+    kv.commit(r)
+    assert kv.find_cached_prefix(make_request("b", [1, 2, 3, 4, 5])) == []
+    assert pool.take_events() == []

@@ -1,0 +1,134 @@
+"""Scheduler policy with a stand-in token source (no model): batching, chunking,
+preemption and aborts, checked through the block pool's counts."""
+
+import pytest
+
+from scheduler.block_pool import BlockPool
+from scheduler.kv_manager import KVCacheManager
+from scheduler.messages import AddRequest, SamplingParams
+from scheduler.scheduler import AdmissionError, Scheduler, SchedulerConfig
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_running=8, budget=32, max_len=256, prefix=True):
+    pool = BlockPool(num_blocks, block_size, prefix)
+    return Scheduler(SchedulerConfig(max_running, budget, max_len), KVCacheManager(pool), frozenset({2})), pool
+
+
+def next_token(req):
+    """A deterministic 'model': the next token depends only on the sequence so far."""
+    return 100 + (sum(req.token_ids) * 31 + len(req.token_ids)) % 1000
+
+
+def run(sched, max_steps=10_000):
+    steps = []
+    while sched.has_work() and len(steps) < max_steps:
+        batch = sched.schedule()
+        sampled = [
+            next_token(r) for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens
+        ]
+        steps.append((len(batch), batch.num_tokens))
+        sched.update(batch, sampled)
+    return steps
+
+
+def add(sched, rid, prompt, max_new=8, **kw):
+    return sched.add_request(AddRequest(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=max_new, **kw)))
+
+
+def test_requests_share_steps_and_finish():
+    sched, pool = make_scheduler()
+    reqs = [add(sched, f"r{i}", list(range(10 + i, 20 + i))) for i in range(4)]
+    steps = run(sched)
+    assert max(b for b, _ in steps) == 4
+    assert all(r.finish_reason == "length" and r.num_output_tokens == 8 for r in reqs)
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_decodes_come_first_in_a_mixed_step():
+    sched, _ = make_scheduler()
+    add(sched, "a", list(range(10, 20)))
+    sched.update(sched.schedule(), [5])  # a: prefill done, now decoding
+    add(sched, "b", list(range(30, 40)))
+    batch = sched.schedule()
+    assert [r.request_id for r in batch.requests] == ["a", "b"] and batch.num_new_tokens == [1, 10]
+
+
+def test_long_prompt_is_chunked_under_the_budget():
+    sched, pool = make_scheduler(budget=16)
+    req = add(sched, "long", list(range(100, 150)), max_new=3)
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [16]
+    steps = run(sched)
+    assert req.num_output_tokens == 3
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def outputs(prompts, **kw):
+    sched, pool = make_scheduler(**kw)
+    reqs = [add(sched, f"r{i}", p, max_new=12) for i, p in enumerate(prompts)]
+    run(sched)
+    assert pool.num_free_blocks == pool.num_blocks, "KV blocks leaked"
+    return [r.output_ids for r in reqs], sched
+
+
+def test_preemption_under_tiny_kv_gives_same_tokens_and_leaks_nothing():
+    prompts = [list(range(10 * i + 3, 10 * i + 15)) for i in range(6)]
+    roomy, _ = outputs(prompts)
+    tight, sched = outputs(prompts, num_blocks=12)  # 11 usable blocks of 4 tokens
+    assert sched.num_preemptions > 0
+    assert tight == roomy
+
+
+def test_prefix_hit_reports_cached_tokens():
+    sched, _ = make_scheduler()
+    prompt = list(range(40, 53))
+    first = add(sched, "a", prompt)
+    run(sched)
+    second = add(sched, "b", prompt)
+    run(sched)
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 12
+    assert second.output_ids == first.output_ids
+
+
+def test_abort_frees_blocks_at_once():
+    sched, pool = make_scheduler()
+    add(sched, "a", list(range(10, 30)), max_new=100)
+    sched.update(sched.schedule(), [7])
+    assert pool.num_used_blocks > 0
+    assert sched.abort("a")
+    assert pool.num_used_blocks == 0
+    assert [r.finish_reason for r in sched.take_finished()] == ["abort"]
+    assert not sched.abort("a")
+
+
+def test_stop_token_and_eos():
+    sched, _ = make_scheduler()
+    req = add(sched, "a", [5, 6, 7], max_new=50)
+    batch = sched.schedule()
+    sched.update(batch, [2])  # EOS
+    assert req.finish_reason == "stop" and req.matched_token_id == 2
+    req = add(sched, "b", [5, 6, 7], max_new=50, ignore_eos=True, stop_token_ids=[9])
+    sched.update(sched.schedule(), [2])
+    assert not req.is_finished
+    sched.update(sched.schedule(), [9])
+    assert req.finish_reason == "stop" and req.matched_token_id == 9
+
+
+@pytest.mark.parametrize(
+    "prompt_len,max_new,code",
+    [(0, 4, "INVALID_ARGUMENT"), (256, 4, "INVALID_ARGUMENT"), (200, 100, "INVALID_ARGUMENT"), (100, 100, "RESOURCE_EXHAUSTED")],
+)
+def test_requests_that_can_never_run_are_refused(prompt_len, max_new, code):
+    sched, _ = make_scheduler(num_blocks=40, max_len=256)  # 156 KV tokens
+    with pytest.raises(AdmissionError) as e:
+        add(sched, "x", list(range(prompt_len)), max_new=max_new)
+    assert e.value.code == code
+    assert not sched.has_work()
+
+
+def test_duplicate_request_id_is_refused():
+    sched, _ = make_scheduler()
+    add(sched, "a", [1, 2, 3])
+    with pytest.raises(AdmissionError) as e:
+        add(sched, "a", [1, 2, 3])
+    assert e.value.code == "ALREADY_EXISTS"
