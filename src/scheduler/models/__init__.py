@@ -1,0 +1,28 @@
+"""Model registry: HF architecture name -> our implementation."""
+
+from __future__ import annotations
+
+import torch
+
+from ..model_config import ModelConfig
+from .llama import LlamaForCausalLM
+
+# One decoder class covers these; the differences are ModelConfig flags.
+MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """An unloaded model for ``config`` (call ``load_weights`` next); ``dtype`` sets the
+    parameter dtype up front, which avoids a transient fp32 copy of a bf16 checkpoint."""
+    try:
+        cls = MODEL_REGISTRY[config.architecture]
+    except KeyError:
+        raise NotImplementedError(
+            f"architecture {config.architecture!r} is not supported (have {sorted(MODEL_REGISTRY)})"
+        ) from None
+    return cls(config, dtype=dtype)

@@ -1,0 +1,194 @@
+"""Llama-family decoder over the paged KV cache: Llama 2/3, Mistral, Qwen2, Qwen3.
+
+The batch is flattened to ``T`` tokens (no padding, no batch dim); attention finds each
+request's keys through ``AttentionMetadata``. q/k/v and gate/up are fused into one
+Linear each (concatenated at load time) so a layer runs 4 GEMMs instead of 7.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from kernels.activation import silu_and_mul
+from kernels.attention import AttentionMetadata, paged_attention, store_kv
+from kernels.norm import rms_norm
+from kernels.rotary import apply_rotary, rope_cos_sin
+
+from ..model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None) -> nn.Linear:
+    # Weights always come from load_weights: skip the random init (minutes for 8B on CPU).
+    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the fp32 cos|sin table ``[max_positions, head_dim]``, gathered by position."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        table = rope_cos_sin(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
+        self.register_buffer("cos_sin", table, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype) would round the table to bf16 and shift every angle; let it
+        # follow the device only. Probing fn with an empty tensor tells us the device.
+        table = self._buffers.pop("cos_sin")
+        super()._apply(fn, recurse)
+        self.register_buffer("cos_sin", table.to(fn(torch.empty(0)).device), persistent=False)
+        return self
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, each ``[T, head_dim/2]``; gathered once per step for all layers."""
+        return self.cos_sin[positions].chunk(2, dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.scale = c.head_dim**-0.5
+        self.qkv_proj = _linear(c.hidden_size, self.q_size + 2 * self.kv_size, c.attention_bias, dtype)
+        self.o_proj = _linear(self.q_size, c.hidden_size, c.attention_out_bias, dtype)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+        self.qk_norm = c.qk_norm
+
+    def forward(self, rope, x, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # Qwen3 normalises each head before rope
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, *rope)
+        store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None):
+        super().__init__()
+        self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, dtype)
+        self.down_proj = _linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(self, rope, x, residual, kv_cache, meta):
+        # The residual add is deferred into the next norm (x + residual, then normalise),
+        # which is one fused kernel on GPUs.
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(rope, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None):
+        super().__init__()
+        self.embed_tokens = nn.utils.skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype)
+        self.rotary = RotaryEmbedding(config)  # one table for all layers
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF names of the checkpoint tensors that we concatenate into one parameter.
+    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype)
+        if config.sliding_window and config.sliding_window < config.max_position_embeddings:
+            logger.warning(
+                "sliding_window=%d is ignored: attention is full, so outputs past %d tokens differ from the reference",
+                config.sliding_window, config.sliding_window,
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of the flattened batch (final norm applied)."""
+        rope = self.model.rotary(positions)
+        x, residual = self.model.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x, residual = layer(rope, x, residual, kv_cache, attn_meta)
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head over only the rows that sample: ``[N, hidden] -> [N, vocab]``."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight)
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Take an HF-named state dict (the model adopts its tensors), fusing q/k/v and gate/up;
+        strict on names and shapes."""
+        sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+        if self.lm_head is None:
+            sd.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
+        for i in range(self.config.num_layers):
+            for fused, parts in self.FUSED.items():
+                sub = "self_attn" if fused == "qkv_proj" else "mlp"
+                for kind in ("weight", "bias"):
+                    names = [f"model.layers.{i}.{sub}.{p}.{kind}" for p in parts]
+                    if all(n in sd for n in names):
+                        sd[f"model.layers.{i}.{sub}.{fused}.{kind}"] = torch.cat([sd.pop(n) for n in names])
+        params = dict(self.named_parameters())
+        missing, unexpected = sorted(params.keys() - sd.keys()), sorted(sd.keys() - params.keys())
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint does not fit {self.config.architecture}: "
+                f"{len(missing)} missing {missing[:6]}, {len(unexpected)} unexpected {unexpected[:6]}"
+            )
+        for name, param in params.items():
+            if param.shape != sd[name].shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(sd[name].shape)} != model {tuple(param.shape)}")
+            # Adopt the tensor rather than copy into it: no second copy of the weights
+            # (a copy is made only when the dtype differs).
+            param.data = sd[name].to(param.dtype).contiguous()
+            param.requires_grad_(False)

@@ -1,0 +1,125 @@
+"""Checkpoint loading: an HF directory (safetensors) or a GGUF file -> (ModelConfig, state dict).
+
+The state dict always uses HF parameter names, so models only know one naming.
+GGUF tensors are dequantised to fp32 here; the model casts them to its dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import torch
+
+from .model_config import ModelConfig
+
+# GGUF name (after "blk.N.") -> HF name (after "model.layers.N.").
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Tensors that carry no weights for us (rope_freqs is folded into ModelConfig.rope_scaling).
+_GGUF_SKIP = {"rope_freqs.weight"}
+# llama.cpp's converter permutes q/k only for these architectures (the others already use
+# the rotate-half layout llama.cpp calls "neox").
+_PERMUTED_ARCHS = {"llama", "mistral"}
+
+
+def load_checkpoint(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(config, HF-named state dict) from a ``.gguf`` file or an HF model directory."""
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return load_gguf(path)
+    if os.path.isdir(path):
+        return ModelConfig.from_hf_dir(path), load_hf_safetensors(path)
+    raise FileNotFoundError(f"not a .gguf file or an HF model directory: {path}")
+
+
+# -- HF safetensors ---------------------------------------------------------------------
+def load_hf_safetensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    state_dict: dict[str, torch.Tensor] = {}
+    for name in files:
+        state_dict.update(load_file(os.path.join(path, name)))
+    return state_dict
+
+
+# -- GGUF -------------------------------------------------------------------------------
+def gguf_to_hf_name(name: str) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None if unknown."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    base, _, kind = name.rpartition(".")
+    if base in _GGUF_GLOBAL_NAMES:
+        return f"{_GGUF_GLOBAL_NAMES[base]}.{kind}"
+    return None
+
+
+def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation.
+
+    llama.cpp rotates adjacent pairs (2i, 2i+1) while HF Llama rotates (i, i + d/2), so its
+    converter reorders each head's output rows from ``[2, d/2]`` to ``[d/2, 2]`` (half-major
+    to interleaved). Reading the rows back as ``[d/2, 2]`` and swapping restores HF order.
+    Works for weights ``[rows, in]`` and biases ``[rows]``.
+    """
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _dequantize(tensor) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    # ggml lists dims fastest-first; numpy/torch want them slowest-first.
+    shape = [int(d) for d in reversed(tensor.shape)]
+    data = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    # F32 comes back as a read-only view of the memory map: copy so torch may own it.
+    return data.astype(np.float32, copy=not data.flags.writeable)
+
+
+def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    config = ModelConfig.from_gguf(reader)
+    permuted = config.model_type in _PERMUTED_ARCHS
+    tensors = reader.tensors
+    if len(tensors) > 500:  # only big checkpoints are worth a progress bar
+        from tqdm import tqdm
+
+        tensors = tqdm(tensors, desc="dequantising GGUF", unit="tensor")
+    state_dict: dict[str, torch.Tensor] = {}
+    for t in tensors:
+        if t.name in _GGUF_SKIP:
+            continue
+        name = gguf_to_hf_name(t.name)
+        if name is None:
+            raise ValueError(f"{path}: unknown GGUF tensor {t.name!r}")
+        w = torch.from_numpy(_dequantize(t))
+        if permuted and ".self_attn.q_proj." in name:
+            w = unpermute_rope_rows(w, config.num_heads)
+        elif permuted and ".self_attn.k_proj." in name:
+            w = unpermute_rope_rows(w, config.num_kv_heads)
+        state_dict[name] = w
+    return config, state_dict
