@@ -1,0 +1,474 @@
+"""End-to-end tests of the real daemon over gRPC (smg-grpc-proto stubs), on the real model.
+
+One daemon serves the whole session (see conftest.py). Requests are built the way the smg
+router builds them (router contract §2): greedy is temperature 0 (proto3 unset),
+top_p 1, top_k -1, repetition_penalty 1, skip_special_tokens true, logprob_start_len -1.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+from helpers import SCHEDULER_SERVICE
+
+VOCAB_SIZE = 49152
+CONTEXT_LENGTH = 8192
+EOS = 2
+RPC_TIMEOUT = 180
+
+
+# ------------------------------------------------------------------ request helpers
+
+
+def sampling(max_new_tokens=None, **kw) -> pb.SamplingParams:
+    base = dict(
+        top_p=1.0,
+        top_k=-1,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        skip_special_tokens=True,
+        spaces_between_special_tokens=True,
+        n=1,
+    )
+    base.update(kw)
+    sp = pb.SamplingParams(**base)
+    if max_new_tokens is not None:
+        sp.max_new_tokens = max_new_tokens
+    return sp
+
+
+def make_request(input_ids, *, max_new_tokens=16, stream=False, rid=None, params=None, **kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=rid or f"e2e-{uuid.uuid4().hex[:16]}",
+        tokenized=pb.TokenizedInput(original_text="", input_ids=list(input_ids)),
+        sampling_params=params if params is not None else sampling(max_new_tokens, **kw),
+        stream=stream,
+        logprob_start_len=-1,
+    )
+
+
+def generate(stub, req, timeout=RPC_TIMEOUT):
+    """All messages of one Generate call, as (kind, message) pairs."""
+    return [(m.WhichOneof("response"), m) for m in stub.Generate(req, timeout=timeout)]
+
+
+def completes_of(msgs):
+    return [m.complete for kind, m in msgs if kind == "complete"]
+
+
+def chunks_of(msgs):
+    return [m.chunk for kind, m in msgs if kind == "chunk"]
+
+
+def one_complete(stub, req, timeout=RPC_TIMEOUT):
+    """A non-streaming call must answer exactly one Complete and nothing else."""
+    msgs = generate(stub, req, timeout)
+    kinds = [k for k, _ in msgs]
+    assert kinds == ["complete"], f"non-stream Generate should answer one Complete, got {kinds}"
+    assert msgs[0][1].request_id == req.request_id
+    return msgs[0][1].complete
+
+
+def greedy_ids(stub, input_ids, max_new_tokens=16, **kw):
+    c = one_complete(stub, make_request(input_ids, max_new_tokens=max_new_tokens, **kw))
+    return list(c.output_ids), c
+
+
+def chat_ids(tokenizer, content):
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert ids[:3] == [1, 9690, 198], ids[:8]
+    return ids
+
+
+def check_usage(c, prompt_len):
+    assert c.prompt_tokens == prompt_len
+    assert c.completion_tokens == len(c.output_ids)
+    assert 0 <= c.cached_tokens <= c.prompt_tokens
+
+
+def server_info(stub):
+    return stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+
+
+def sched_stat(stub, key):
+    info = server_info(stub)
+    fields = info.scheduler_info.fields
+    assert key in fields, f"scheduler_info has no {key!r}: {sorted(fields)}"
+    return fields[key].number_value
+
+
+def wait_idle(stub, timeout=15.0):
+    """Wait until the daemon reports no active requests; returns the last count."""
+    deadline = time.monotonic() + timeout
+    n = None
+    while time.monotonic() < deadline:
+        n = server_info(stub).active_requests
+        if n == 0:
+            return 0
+        time.sleep(0.2)
+    return n
+
+
+@pytest.fixture(scope="module")
+def france(tokenizer):
+    return chat_ids(tokenizer, "What is the capital of France?")
+
+
+@pytest.fixture(scope="module")
+def hi(tokenizer):
+    return chat_ids(tokenizer, "Hi")
+
+
+@pytest.fixture(scope="module")
+def story(tokenizer):
+    return tokenizer.encode("Once upon a time", add_special_tokens=False)
+
+
+# ------------------------------------------------------------------ Generate
+
+
+def test_generate_nonstream_greedy(grpc_stub, tokenizer, france):
+    req = make_request(france, max_new_tokens=24)
+    c = one_complete(grpc_stub, req)
+    out = list(c.output_ids)
+    assert out, "empty output_ids"
+    assert all(0 <= t < VOCAB_SIZE for t in out)
+    assert c.finish_reason in ("length", "stop"), c.finish_reason
+    if c.finish_reason == "length":
+        assert len(out) == 24
+    else:
+        assert c.WhichOneof("matched_stop") == "matched_token_id" and c.matched_token_id == EOS
+        assert len(out) <= 24
+    check_usage(c, len(france))
+    assert c.index == 0
+    text = tokenizer.decode(out, skip_special_tokens=True)
+    assert "Paris" in text, f"greedy answer without 'Paris': {text!r}"
+
+
+def test_greedy_is_deterministic_and_prefix_cached(grpc_stub, story):
+    prompt = story * 12  # 48 tokens: at least a few full KV blocks to reuse
+    a, ca = greedy_ids(grpc_stub, prompt, max_new_tokens=8)
+    b, cb = greedy_ids(grpc_stub, prompt, max_new_tokens=8)
+    assert a == b
+    assert ca.prompt_tokens == cb.prompt_tokens == len(prompt)
+    assert cb.cached_tokens > 0, "the second identical prompt should hit the prefix cache"
+    assert cb.cached_tokens < len(prompt)
+
+
+def test_proto3_defaults_are_greedy(grpc_stub, france):
+    """temperature/top_p/top_k/repetition_penalty all left at proto3 zero = greedy, unrestricted."""
+    ref, _ = greedy_ids(grpc_stub, france, max_new_tokens=12)
+    bare = pb.SamplingParams(max_new_tokens=12)
+    c = one_complete(grpc_stub, make_request(france, params=bare))
+    assert list(c.output_ids) == ref
+
+
+def test_generate_stream_deltas_match_nonstream(grpc_stub, france):
+    ref, ref_c = greedy_ids(grpc_stub, france, max_new_tokens=16)
+    req = make_request(france, max_new_tokens=16, stream=True)
+    msgs = generate(grpc_stub, req)
+    kinds = [k for k, _ in msgs]
+    assert kinds[-1] == "complete" and kinds.count("complete") == 1, kinds
+    assert all(m.request_id == req.request_id for _, m in msgs)
+    chunks = chunks_of(msgs)
+    assert len(chunks) >= 2, f"streaming should send a chunk per step, got {kinds}"
+    total = []
+    for ch in chunks:
+        assert len(ch.token_ids) >= 1, "a chunk without new tokens"
+        total.extend(ch.token_ids)
+        assert ch.completion_tokens == len(total), "chunk completion_tokens must be cumulative"
+        assert ch.prompt_tokens == len(france)
+        assert 0 <= ch.cached_tokens <= len(france)
+        assert ch.index == 0
+    assert total == ref, "concatenated stream deltas differ from the non-stream output"
+    c = completes_of(msgs)[0]
+    assert c.finish_reason == ref_c.finish_reason
+    assert c.completion_tokens == len(total)
+    assert c.prompt_tokens == len(france)
+    if c.output_ids:  # the reference sends the last delta; the full list is also accepted
+        assert list(c.output_ids) == total[-len(c.output_ids):]
+
+
+def test_concurrent_generate_batches(grpc_stub, tokenizer):
+    prompts = [tokenizer.encode(f"Story {i}: once upon a time, a {w}", add_special_tokens=False)
+               for i, w in enumerate(["cat", "dog", "king", "robot", "tree", "ship", "bird", "girl",
+                                      "wizard", "fox", "city", "river", "baker", "knight", "whale", "cloud"])]
+    n_new = 12
+    t0 = time.monotonic()
+    refs = [greedy_ids(grpc_stub, p, max_new_tokens=n_new, ignore_eos=True)[0] for p in prompts]
+    t_seq = time.monotonic() - t0
+    steps_before = sched_stat(grpc_stub, "steps")
+
+    start = threading.Barrier(len(prompts))
+
+    def one(p):
+        start.wait(timeout=30)
+        return one_complete(grpc_stub, make_request(p, max_new_tokens=n_new, ignore_eos=True))
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        results = list(ex.map(one, prompts))
+    t_conc = time.monotonic() - t0
+
+    for p, ref, c in zip(prompts, refs, results):
+        assert c.finish_reason == "length"
+        assert len(c.output_ids) == n_new
+        check_usage(c, len(p))
+        # Batching must not mix requests up: same greedy tokens as alone (the first few at
+        # least; later ones could flip on float near-ties between batch shapes).
+        assert list(c.output_ids)[:8] == ref[:8]
+    assert sched_stat(grpc_stub, "max_batch_size") > 1
+    assert sched_stat(grpc_stub, "steps") > steps_before
+    print(f"16 x {n_new} tokens: sequential {t_seq:.2f} s, concurrent {t_conc:.2f} s")
+    assert t_conc < t_seq, f"16 concurrent requests ({t_conc:.2f} s) no faster than one by one ({t_seq:.2f} s)"
+
+
+@pytest.mark.parametrize("n", [1, 5])
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_new_tokens_gives_length(grpc_stub, story, n, stream):
+    req = make_request(story, max_new_tokens=n, stream=stream, ignore_eos=True)
+    msgs = generate(grpc_stub, req)
+    c = completes_of(msgs)[-1]
+    assert c.finish_reason == "length"
+    assert c.completion_tokens == n
+    if stream:
+        assert sum(len(ch.token_ids) for ch in chunks_of(msgs)) == n
+    else:
+        assert len(c.output_ids) == n
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_token_ids(grpc_stub, france, stream):
+    base, _ = greedy_ids(grpc_stub, france, max_new_tokens=16)
+    assert len(base) >= 3, base
+    stop_id = base[2]
+    idx = base.index(stop_id)  # the first occurrence is where it must stop
+    msgs = generate(grpc_stub, make_request(france, max_new_tokens=16, stream=stream, stop_token_ids=[stop_id]))
+    c = completes_of(msgs)[-1]
+    out = [t for ch in chunks_of(msgs) for t in ch.token_ids] if stream else list(c.output_ids)
+    assert c.finish_reason == "stop"
+    assert c.WhichOneof("matched_stop") == "matched_token_id"
+    assert c.matched_token_id == stop_id
+    assert out in (base[: idx + 1], base[:idx]), (out, base, stop_id)
+    assert c.completion_tokens == len(out)
+
+
+def test_eos_stop_and_ignore_eos(grpc_stub, hi):
+    base, c = greedy_ids(grpc_stub, hi, max_new_tokens=48)
+    assert c.finish_reason == "stop", f"greedy reply to 'Hi' did not end with EOS in 48 tokens: {base}"
+    assert c.WhichOneof("matched_stop") == "matched_token_id" and c.matched_token_id == EOS
+    n = len(base) + 4
+    out, c2 = greedy_ids(grpc_stub, hi, max_new_tokens=n, ignore_eos=True)
+    assert c2.finish_reason == "length"
+    assert len(out) == n
+    assert out[: len(base)] == base
+    assert EOS in out[: len(base) + 1], "ignore_eos run should pass through the EOS the plain run stopped on"
+
+
+def test_n2_fanout(grpc_stub, france):
+    ref, _ = greedy_ids(grpc_stub, france, max_new_tokens=6)
+    msgs = generate(grpc_stub, make_request(france, max_new_tokens=6, n=2))
+    cs = completes_of(msgs)
+    assert len(cs) == 2
+    assert sorted(c.index for c in cs) == [0, 1]
+    for c in cs:
+        assert list(c.output_ids) == ref  # greedy: both choices are the same
+    msgs = generate(grpc_stub, make_request(france, max_new_tokens=6, n=2, stream=True))
+    cs = completes_of(msgs)
+    assert sorted(c.index for c in cs) == [0, 1]
+    assert msgs[-1][0] == "complete"
+    for i in (0, 1):
+        toks = [t for ch in chunks_of(msgs) if ch.index == i for t in ch.token_ids]
+        assert toks == ref
+
+
+def test_sampling_with_temperature(grpc_stub, story):
+    c = one_complete(grpc_stub, make_request(story, max_new_tokens=8, temperature=0.9, top_p=0.95, top_k=50, ignore_eos=True))
+    assert c.finish_reason == "length" and len(c.output_ids) == 8
+    assert all(0 <= t < VOCAB_SIZE for t in c.output_ids)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+BAD_INPUTS = {
+    "empty": ([], 4),
+    "out_of_vocab": ([1, 9690, VOCAB_SIZE], 4),
+    "uint32_max": ([1, 2**32 - 1], 4),
+    "prompt_plus_max_new_over_context": ([17] * 100, CONTEXT_LENGTH),
+    "prompt_over_context": ([17] * (CONTEXT_LENGTH + 1), 1),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_invalid_argument(grpc_stub, case, stream):
+    ids, max_new = BAD_INPUTS[case]
+    with pytest.raises(grpc.RpcError) as ei:
+        generate(grpc_stub, make_request(ids, max_new_tokens=max_new, stream=stream), timeout=30)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (ei.value.code(), ei.value.details())
+
+
+def test_daemon_healthy_after_bad_inputs(grpc_stub, story):
+    for ids, max_new in BAD_INPUTS.values():
+        with pytest.raises(grpc.RpcError):
+            generate(grpc_stub, make_request(ids, max_new_tokens=max_new), timeout=30)
+    h = grpc_stub.HealthCheck(pb.HealthCheckRequest(), timeout=5)
+    assert h.healthy, h.message
+    out, c = greedy_ids(grpc_stub, story, max_new_tokens=4, ignore_eos=True)
+    assert len(out) == 4 and c.finish_reason == "length"
+    assert wait_idle(grpc_stub) == 0
+
+
+# ------------------------------------------------------------------ abort / cancel
+
+
+def test_abort_unknown_request_is_noop(grpc_stub):
+    r = grpc_stub.Abort(pb.AbortRequest(request_id="no-such-request", reason="test"), timeout=5)
+    assert isinstance(r.success, bool)
+    # twice is fine too
+    grpc_stub.Abort(pb.AbortRequest(request_id="no-such-request", reason="test"), timeout=5)
+
+
+def test_abort_stops_a_running_stream(grpc_stub, story):
+    """The router sends Abort{rid, "Stream dropped"} when a streaming client leaves and keeps
+    reading; the daemon must stop generating and end the stream."""
+    limit = 4000
+    req = make_request(story, max_new_tokens=limit, stream=True, ignore_eos=True)
+    call = grpc_stub.Generate(req, timeout=120)
+    got = 0
+    last_kind = None
+    t_abort = None
+    try:
+        for m in call:
+            last_kind = m.WhichOneof("response")
+            if last_kind == "chunk":
+                got += len(m.chunk.token_ids)
+                if t_abort is None and got >= 2:
+                    grpc_stub.Abort(pb.AbortRequest(request_id=req.request_id, reason="Stream dropped"), timeout=5)
+                    t_abort = time.monotonic()
+            else:
+                assert m.complete.finish_reason == "abort", m.complete.finish_reason
+                break
+    except grpc.RpcError as e:  # ending the stream with a status is acceptable too
+        assert e.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED), (e.code(), e.details())
+    assert t_abort is not None
+    assert time.monotonic() - t_abort < 10, "the stream went on long after Abort"
+    assert got < limit
+    assert wait_idle(grpc_stub) == 0, "the aborted request is still active"
+
+
+def test_client_cancel_frees_the_request(grpc_stub, story):
+    """A non-streaming client that disconnects cancels the RPC (no Abort is sent)."""
+    req = make_request(story, max_new_tokens=4000, ignore_eos=True)
+    call = grpc_stub.Generate(req, timeout=120)
+    deadline = time.monotonic() + 30
+    while server_info(grpc_stub).active_requests == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    call.cancel()
+    assert wait_idle(grpc_stub) == 0, "the cancelled request is still active"
+
+
+# ------------------------------------------------------------------ info, loads, health
+
+
+def test_get_model_info(grpc_stub):
+    mi = grpc_stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert mi.model_path
+    assert mi.tokenizer_path
+    assert mi.is_generation
+    assert mi.served_model_name == "smollm2"
+    assert mi.max_context_length == CONTEXT_LENGTH
+    assert mi.vocab_size == VOCAB_SIZE
+    assert list(mi.eos_token_ids) == [EOS]
+    si = server_info(grpc_stub)
+    ctx = si.server_args.fields["context_length"].number_value
+    assert ctx == mi.max_context_length
+
+
+def test_tokenizer_path_is_loadable(model_info, tokenizer):
+    import os
+
+    assert os.path.isfile(os.path.join(model_info.tokenizer_path, "tokenizer.json"))
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == EOS
+    assert tokenizer.chat_template, "the router needs a chat template in the tokenizer dir"
+
+
+def test_get_server_info(grpc_stub):
+    si = server_info(grpc_stub)
+    args = si.server_args.fields
+    for key in ("model_path", "tokenizer_path", "context_length", "max_running_requests"):
+        assert key in args, f"server_args lacks {key}: {sorted(args)}"
+    assert args["max_running_requests"].number_value == 32
+    assert args["model_path"].string_value
+    sched = si.scheduler_info.fields
+    assert "max_batch_size" in sched and "steps" in sched, sorted(sched)
+    assert sched["steps"].number_value >= 1  # warm-up went through the engine
+    assert sched["max_batch_size"].number_value >= 1
+    assert si.server_type == "grpc"
+    assert si.active_requests >= 0
+    assert si.uptime_seconds > 0
+
+
+def test_get_loads(grpc_stub):
+    r = grpc_stub.GetLoads(pb.GetLoadsRequest(include=["core", "disagg", "queues", "memory"]), timeout=10)
+    assert len(r.loads) >= 1
+    load = r.loads[0]
+    assert 0.0 <= load.token_usage <= 1.0
+    assert load.num_running_reqs >= 0 and load.num_waiting_reqs >= 0
+    assert load.max_running_requests == 32
+
+
+def test_health_check_rpc_is_fast(grpc_stub):
+    t0 = time.monotonic()
+    h = grpc_stub.HealthCheck(pb.HealthCheckRequest(), timeout=5)
+    dt = time.monotonic() - t0
+    assert h.healthy, h.message
+    assert dt < 1.0, f"HealthCheck took {dt:.2f} s"
+
+
+def test_health_check_rpc_fast_under_load(grpc_stub, story):
+    """The router's first probe gives up after about 2 s; HealthCheck must not queue behind generation."""
+    with ThreadPoolExecutor(4) as ex:
+        futs = [ex.submit(greedy_ids, grpc_stub, story * 4, 48, ignore_eos=True) for _ in range(4)]
+        time.sleep(1.0)
+        worst = 0.0
+        for _ in range(5):
+            t0 = time.monotonic()
+            h = grpc_stub.HealthCheck(pb.HealthCheckRequest(), timeout=5)
+            worst = max(worst, time.monotonic() - t0)
+            assert h.healthy, h.message
+            time.sleep(0.2)
+        for f in futs:
+            f.result(timeout=RPC_TIMEOUT)
+    assert worst < 2.0, f"HealthCheck took {worst:.2f} s while generating"
+
+
+@pytest.mark.parametrize("service", ["", SCHEDULER_SERVICE])
+def test_grpc_health_serving(health_stub, service):
+    r = health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    assert r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_grpc_health_unknown_service(health_stub):
+    with pytest.raises(grpc.RpcError) as ei:
+        health_stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_grpc_health_watch_reports_current_status(health_stub):
+    stream = health_stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    try:
+        first = next(stream)
+        assert first.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        stream.cancel()
