@@ -39,10 +39,10 @@ class ModelRunner:
 
         self.model_path = resolve_model(config.model)
         self.model_config, state_dict = load_checkpoint(self.model_path)
-        model = build_model(self.model_config)
+        model = build_model(self.model_config, dtype=self.dtype)
         model.load_weights(state_dict)
         del state_dict
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model = model.to(device=self.device).eval()
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,

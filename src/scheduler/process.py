@@ -54,7 +54,7 @@ def model_info(engine, config: EngineConfig) -> dict:
     return {
         "model_path": runner.model_path,
         "tokenizer_path": prepare_tokenizer_dir(runner.model_path),
-        "served_model_name": config.served_model_name or "",
+        "served_model_name": config.served_model_name or config.model,
         "max_context_length": runner.max_model_len,
         "vocab_size": mc.vocab_size,
         "eos_token_ids": list(mc.eos_token_ids),

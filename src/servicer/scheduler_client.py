@@ -1,0 +1,218 @@
+"""The servicer's side of the scheduler: launches and supervises the scheduler process,
+sends it requests over ZMQ, and fans its outputs out to one asyncio queue per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from scheduler.config import EngineConfig
+from scheduler.messages import (
+    AbortRequest,
+    AddRequest,
+    ControlReply,
+    ControlRequest,
+    EngineDead,
+    EngineReady,
+    Heartbeat,
+    RequestOutput,
+    StepOutput,
+    from_scheduler_decoder,
+    to_scheduler_encoder,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerUnavailable(Exception):
+    """The scheduler process is not running (not started yet, dead, or shutting down)."""
+
+
+@dataclass
+class Liveness:
+    last_message: float = 0.0  # monotonic time of the last message from the scheduler
+    last_step: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+
+
+class SchedulerClient:
+    def __init__(self, config: EngineConfig, log_level: str = "info"):
+        self.config = config
+        self.log_level = log_level
+        self.ctx = zmq.asyncio.Context()
+        ipc_dir = tempfile.mkdtemp(prefix="servicer-")
+        tag = uuid.uuid4().hex[:8]
+        self.inbox_addr = f"ipc://{ipc_dir}/to-scheduler-{tag}"
+        self.outbox_addr = f"ipc://{ipc_dir}/from-scheduler-{tag}"
+        self.ipc_dir = ipc_dir
+        self.to_scheduler = self.ctx.socket(zmq.PUSH)
+        self.to_scheduler.setsockopt(zmq.LINGER, 0)
+        self.to_scheduler.bind(self.inbox_addr)
+        self.from_scheduler = self.ctx.socket(zmq.PULL)
+        self.from_scheduler.bind(self.outbox_addr)
+        self.process: asyncio.subprocess.Process | None = None
+        self.model_info: dict | None = None
+        self.liveness = Liveness()
+        self.dead_reason: str | None = None
+        self.ready = asyncio.Event()
+        self.died = asyncio.Event()
+        self._requests: dict[str, asyncio.Queue] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count(1)
+        self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        """Launch the scheduler process; returns once it is loaded (or raises if it died)."""
+        cmd = [
+            sys.executable, "-m", "scheduler.process",
+            "--config", msgspec.json.encode(self.config).decode(),
+            "--inbox", self.inbox_addr,
+            "--outbox", self.outbox_addr,
+            "--log-level", self.log_level,
+        ]
+        env = dict(os.environ)
+        src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+        self.process = await asyncio.create_subprocess_exec(*cmd, env=env)
+        logger.info("scheduler process started (pid %d)", self.process.pid)
+        self._reader = asyncio.create_task(self._read_loop())
+        self._watcher = asyncio.create_task(self._watch_process())
+        ready = asyncio.create_task(self.ready.wait())
+        died = asyncio.create_task(self.died.wait())
+        await asyncio.wait([ready, died], return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        died.cancel()
+        if not self.ready.is_set():
+            raise SchedulerUnavailable(self.dead_reason or "scheduler exited during start-up")
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Stop the scheduler process (TERM, then KILL) and close the sockets."""
+        proc = self.process
+        if proc is not None and proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), timeout)
+            except (TimeoutError, asyncio.TimeoutError):
+                proc.kill()
+                await proc.wait()
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+        self._mark_dead("the scheduler was stopped")
+        self.to_scheduler.close(0)
+        self.from_scheduler.close(0)
+        self.ctx.term()
+        for name in os.listdir(self.ipc_dir):
+            os.unlink(os.path.join(self.ipc_dir, name))
+        os.rmdir(self.ipc_dir)
+
+    @property
+    def alive(self) -> bool:
+        return self.ready.is_set() and not self.died.is_set()
+
+    def heartbeat_age(self) -> float:
+        return time.monotonic() - self.liveness.last_message
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.died.is_set():
+            return
+        self.dead_reason = reason
+        self.died.set()
+        # Wake every waiter: their requests cannot finish any more.
+        for queue in set(self._requests.values()):
+            queue.put_nowait(SchedulerUnavailable(reason))
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(SchedulerUnavailable(reason))
+
+    async def _watch_process(self) -> None:
+        code = await self.process.wait()
+        self._mark_dead(self.dead_reason or f"the scheduler process exited with code {code}")
+        if code != 0:
+            logger.error("scheduler process exited with code %s", code)
+
+    async def _read_loop(self) -> None:
+        while True:
+            raw = await self.from_scheduler.recv(copy=False)
+            msg = from_scheduler_decoder.decode(raw.buffer)
+            self.liveness.last_message = time.monotonic()
+            if isinstance(msg, StepOutput):
+                self.liveness.last_step = msg.step
+                for out in msg.outputs:
+                    queue = self._requests.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+            elif isinstance(msg, Heartbeat):
+                self.liveness.last_step = msg.step
+                self.liveness.num_running = msg.num_running
+                self.liveness.num_waiting = msg.num_waiting
+            elif isinstance(msg, ControlReply):
+                fut = self._calls.pop(msg.call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, EngineReady):
+                self.model_info = msg.model_info
+                self.ready.set()
+            elif isinstance(msg, EngineDead):
+                self._mark_dead(msg.reason)
+
+    # -- requests --------------------------------------------------------------------
+    def in_flight(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def in_flight_ids(self) -> list[str]:
+        return list(self._requests)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._requests)
+
+    def submit(self, msg: AddRequest, queue: asyncio.Queue) -> None:
+        """Send a request; its outputs (RequestOutput, or an exception) arrive on ``queue``,
+        which several requests may share (the n sequences of one call)."""
+        if not self.alive:
+            raise SchedulerUnavailable(self.dead_reason or "the scheduler is not ready")
+        self._requests[msg.request_id] = queue
+        self.to_scheduler.send(to_scheduler_encoder.encode(msg))
+
+    def release(self, request_id: str) -> None:
+        """Forget a request's queue (after it finished or was aborted)."""
+        self._requests.pop(request_id, None)
+
+    def abort(self, request_id: str, reason: str = "") -> bool:
+        """Ask the scheduler to drop a request and free its KV; False if unknown here."""
+        if request_id not in self._requests or not self.alive:
+            return False
+        self.to_scheduler.send(to_scheduler_encoder.encode(AbortRequest(request_id, reason)))
+        return True
+
+    async def call(self, method: str, timeout: float = 5.0, **args) -> ControlReply:
+        """An admin call to the scheduler (e.g. "stats"), answered between steps."""
+        if not self.alive:
+            raise SchedulerUnavailable(self.dead_reason or "the scheduler is not ready")
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        self.to_scheduler.send(to_scheduler_encoder.encode(ControlRequest(call_id, method, args)))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+
+
+__all__ = ["SchedulerClient", "SchedulerUnavailable", "RequestOutput"]

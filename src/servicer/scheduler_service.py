@@ -1,0 +1,263 @@
+"""The SglangScheduler gRPC service, as the smg router expects it
+(see shared/router-contract.md): Generate, Abort and the info/health RPCs."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+
+import grpc
+import msgspec
+from google.protobuf import struct_pb2, timestamp_pb2
+
+from scheduler.config import EngineConfig
+from scheduler.messages import RequestOutput
+
+from .generated import common_pb2
+from .generated import sglang_scheduler_pb2 as pb
+from .generated import sglang_scheduler_pb2_grpc as pb_grpc
+from .health import HealthState
+from .request_conversion import InvalidRequest, to_add_request
+from .scheduler_client import SchedulerClient, SchedulerUnavailable
+from .tokenizer_bundle import build_bundle, chunks
+
+logger = logging.getLogger(__name__)
+VERSION = "0.1.0"
+
+
+def _struct(values: dict) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    s.update({k: v for k, v in values.items() if v is not None})
+    return s
+
+
+class _Choice:
+    """Progress of one of the n sequences of a Generate call."""
+
+    __slots__ = ("index", "output_ids", "sent_chunk", "done")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.output_ids: list[int] = []
+        self.sent_chunk = False
+        self.done = False
+
+
+class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
+    def __init__(self, client: SchedulerClient, health: HealthState, config: EngineConfig):
+        self.client = client
+        self.health = health
+        self.config = config
+        self.start_time = time.time()
+        self.last_receive_time = 0.0
+        self.children: dict[str, list[str]] = {}  # parent request id -> scheduler request ids
+        self._bundle: asyncio.Task | None = None  # (zip bytes, sha256), built once
+
+    @property
+    def info(self) -> dict:
+        return self.client.model_info or {}
+
+    async def _require_ready(self, context) -> None:
+        if self.health.shutting_down:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if not self.client.alive:
+            reason = self.client.dead_reason or "the model is still loading"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {reason}")
+
+    # -- Generate ----------------------------------------------------------------------
+    async def Generate(self, request, context):
+        await self._require_ready(context)
+        self.last_receive_time = time.time()
+        try:
+            base = to_add_request(request, self.info)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = request.request_id
+        if rid in self.children:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+        n = max(request.sampling_params.n, 1)
+        ids = [rid] if n == 1 else [f"{rid}-n{i}" for i in range(n)]
+        choices = {cid: _Choice(i) for i, cid in enumerate(ids)}
+        self.children[rid] = ids
+        queue: asyncio.Queue = asyncio.Queue()
+        finished = False
+        try:
+            for cid in ids:
+                self.client.submit(msgspec.structs.replace(base, request_id=cid), queue)
+            remaining = n
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {item}")
+                out: RequestOutput = item
+                if out.error is not None:
+                    code = getattr(grpc.StatusCode, out.error_code or "INTERNAL", grpc.StatusCode.INTERNAL)
+                    await context.abort(code, out.error)
+                choice = choices[out.request_id]
+                choice.output_ids.extend(out.new_token_ids)
+                if request.stream and (out.new_token_ids or not choice.sent_chunk):
+                    choice.sent_chunk = True
+                    yield pb.GenerateResponse(request_id=rid, chunk=self._chunk(out, choice))
+                if out.finish_reason is not None:
+                    choice.done = True
+                    remaining -= 1
+                    yield pb.GenerateResponse(request_id=rid, complete=self._complete(out, choice))
+            finished = True
+        finally:
+            # A cancelled call (client gone) or an error: stop the work and free the KV now.
+            for cid, choice in choices.items():
+                if not finished and not choice.done:
+                    self.client.abort(cid, "client cancelled")
+                self.client.release(cid)
+            self.children.pop(rid, None)
+
+    @staticmethod
+    def _chunk(out: RequestOutput, choice: _Choice) -> pb.GenerateStreamChunk:
+        return pb.GenerateStreamChunk(
+            token_ids=out.new_token_ids,
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens,
+            cached_tokens=out.num_cached_tokens,
+            index=choice.index,
+        )
+
+    @staticmethod
+    def _complete(out: RequestOutput, choice: _Choice) -> pb.GenerateComplete:
+        complete = pb.GenerateComplete(
+            output_ids=choice.output_ids,
+            finish_reason=out.finish_reason,
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens,
+            cached_tokens=out.num_cached_tokens,
+            index=choice.index,
+        )
+        if out.matched_token_id is not None:
+            complete.matched_token_id = out.matched_token_id
+        return complete
+
+    async def Abort(self, request, context):
+        ids = self.children.get(request.request_id, [request.request_id])
+        found = [cid for cid in ids if self.client.abort(cid, request.reason)]
+        if found:
+            return pb.AbortResponse(success=True, message=f"aborted {len(found)} sequence(s)")
+        return pb.AbortResponse(success=False, message=f"request {request.request_id!r} not found")
+
+    # -- health and info ---------------------------------------------------------------
+    async def HealthCheck(self, request, context):
+        if not self.client.ready.is_set() and not self.client.died.is_set():
+            # Refuse rather than answer "unhealthy": the router would register a worker
+            # without metadata. It retries until we can serve.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        problem = self.health.problem()
+        return pb.HealthCheckResponse(healthy=problem is None, message=problem or "ok")
+
+    async def GetModelInfo(self, request, context):
+        await self._require_ready(context)
+        i = self.info
+        return pb.GetModelInfoResponse(
+            model_path=i["model_path"],
+            tokenizer_path=i["tokenizer_path"],
+            is_generation=True,
+            served_model_name=i["served_model_name"],
+            max_context_length=i["max_context_length"],
+            vocab_size=i["vocab_size"],
+            supports_vision=False,
+            model_type=i["model_type"],
+            eos_token_ids=i["eos_token_ids"],
+            pad_token_id=i["pad_token_id"],
+            bos_token_id=i["bos_token_id"],
+            max_req_input_len=i["max_context_length"] - 1,
+            architectures=i["architectures"],
+        )
+
+    def server_args(self) -> dict:
+        i = self.info
+        return {
+            "model_path": i["model_path"],
+            "served_model_name": i["served_model_name"] or i["model_path"],
+            "tokenizer_path": i["tokenizer_path"],
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "context_length": i["max_context_length"],
+            "max_total_tokens": i["max_total_num_tokens"],
+            "max_running_requests": i["max_running_requests"],
+            "max_num_batched_tokens": i["max_num_batched_tokens"],
+            "page_size": i["block_size"],
+            "device": i["device"],
+            "dtype": i["dtype"],
+            "is_embedding": False,
+            "vocab_size": i["vocab_size"],
+            "disaggregation_mode": "null",
+            "enable_prefix_caching": self.config.enable_prefix_caching,
+        }
+
+    async def GetServerInfo(self, request, context):
+        await self._require_ready(context)
+        try:
+            stats = (await self.client.call("stats", timeout=2.0)).result
+        except (SchedulerUnavailable, TimeoutError, asyncio.TimeoutError) as e:
+            stats = {"error": f"scheduler stats unavailable: {e}"}
+        start = timestamp_pb2.Timestamp()
+        start.FromSeconds(int(self.start_time))
+        return pb.GetServerInfoResponse(
+            server_args=_struct(self.server_args()),
+            scheduler_info=_struct(stats),
+            active_requests=self.client.num_in_flight,
+            is_paused=False,
+            last_receive_timestamp=self.last_receive_time,
+            uptime_seconds=time.time() - self.start_time,
+            sglang_version=VERSION,
+            server_type="grpc",
+            start_time=start,
+            max_total_num_tokens=self.info["max_total_num_tokens"],
+        )
+
+    async def GetLoads(self, request, context):
+        await self._require_ready(context)
+        try:
+            s = (await self.client.call("stats", timeout=2.0)).result
+        except (SchedulerUnavailable, TimeoutError, asyncio.TimeoutError) as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"scheduler stats unavailable: {e}")
+        total = s["max_total_num_tokens"]
+        load = pb.SchedulerLoad(
+            dp_rank=0,
+            num_running_reqs=s["num_running_reqs"],
+            num_waiting_reqs=s["num_waiting_reqs"],
+            num_total_reqs=s["num_running_reqs"] + s["num_waiting_reqs"],
+            num_used_tokens=s["num_used_tokens"],
+            max_total_num_tokens=total,
+            token_usage=s["num_used_tokens"] / total if total else 0.0,
+            max_running_requests=self.info["max_running_requests"],
+        )
+        return pb.GetLoadsResponse(
+            timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            version=VERSION,
+            dp_rank_count=1,
+            loads=[load],
+            aggregate=pb.AggregateMetrics(
+                total_running_reqs=load.num_running_reqs,
+                total_waiting_reqs=load.num_waiting_reqs,
+                total_reqs=load.num_total_reqs,
+                avg_token_usage=load.token_usage,
+            ),
+        )
+
+    # -- tokenizer -----------------------------------------------------------------------
+    async def GetTokenizer(self, request, context):
+        await self._require_ready(context)
+        path = self.info.get("tokenizer_path")
+        if not path:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no tokenizer path is configured")
+        if self._bundle is None or (self._bundle.done() and self._bundle.exception() is not None):
+            self._bundle = asyncio.ensure_future(asyncio.to_thread(build_bundle, path))
+        try:
+            data, sha256 = await asyncio.shield(self._bundle)
+        except Exception as e:
+            await context.abort(grpc.StatusCode.INTERNAL, f"cannot build the tokenizer bundle: {e}")
+        parts = list(chunks(data))
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            yield common_pb2.GetTokenizerChunk(data=part, sha256=sha256 if last else "")

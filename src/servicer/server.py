@@ -1,0 +1,154 @@
+"""Daemon lifecycle: bind the gRPC server, start the scheduler process, warm up,
+serve, and shut down cleanly (SIGTERM drains, a dead scheduler exits non-zero)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from scheduler.config import EngineConfig
+from scheduler.messages import AddRequest, SamplingParams
+
+from .generated import sglang_scheduler_pb2 as pb
+from .generated import sglang_scheduler_pb2_grpc as pb_grpc
+from .health import HealthServicer, HealthState
+from .scheduler_client import SchedulerClient, SchedulerUnavailable
+from .scheduler_service import SglangSchedulerService
+
+logger = logging.getLogger("servicer")
+
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 256 * 2**20),
+    ("grpc.max_receive_message_length", 256 * 2**20),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", True),
+]
+WARMUP_PROMPT = [123, 456, 789, 234, 567, 890, 345]
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    log_level: str = "info"
+    shutdown_grace_s: float = 30.0
+    max_heartbeat_age_s: float = 2.0
+
+
+class StartupError(Exception):
+    pass
+
+
+async def warm_up(client: SchedulerClient, timeout: float = 120.0) -> None:
+    """One real greedy generation through the whole engine before we say SERVING."""
+    queue: asyncio.Queue = asyncio.Queue()
+    rid = f"warmup-{time.time_ns()}"
+    client.submit(AddRequest(rid, WARMUP_PROMPT, SamplingParams(temperature=0.0, max_new_tokens=8)), queue)
+
+    async def finished() -> None:
+        while True:
+            out = await queue.get()
+            if isinstance(out, Exception):
+                raise StartupError(f"warm-up failed: {out}")
+            if out.error:
+                raise StartupError(f"warm-up refused: {out.error}")
+            if out.finish_reason:
+                return
+
+    try:
+        await asyncio.wait_for(finished(), timeout)
+    except (TimeoutError, asyncio.TimeoutError):
+        raise StartupError(f"warm-up generation did not finish in {timeout:.0f} s") from None
+    finally:
+        client.release(rid)
+
+
+async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Run the daemon until SIGTERM/SIGINT (exit 0) or scheduler failure (exit 1)."""
+    client = SchedulerClient(engine_config, server_config.log_level)
+    health = HealthState(client, max_heartbeat_age=server_config.max_heartbeat_age_s)
+    service = SglangSchedulerService(client, health, engine_config)
+
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    pb_grpc.add_SglangSchedulerServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(health), server)
+    reflection.enable_server_reflection(
+        [
+            pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
+        server,
+    )
+    address = f"{server_config.host}:{server_config.port}"
+    if server.add_insecure_port(address) == 0:
+        logger.error("cannot bind %s", address)
+        await client.stop()
+        return 1
+    await server.start()
+    logger.info("gRPC server listening on %s (NOT_SERVING until the model is loaded and warmed up)", address)
+
+    stop_requested = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_requested.set)
+
+    exit_code = 0
+    try:
+        startup = asyncio.create_task(_start_engine(client))
+        stop_wait = asyncio.create_task(stop_requested.wait())
+        await asyncio.wait([startup, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+        if not startup.done():
+            startup.cancel()
+            logger.info("stop requested during start-up")
+            return 0
+        stop_wait.cancel()
+        try:
+            startup.result()
+        except (StartupError, SchedulerUnavailable) as e:
+            logger.error("start-up failed: %s", e)
+            return 1
+        health.warmed_up = True
+        logger.info("SERVING %s on %s", client.model_info["model_path"], address)
+
+        died = asyncio.create_task(client.died.wait())
+        stop_wait = asyncio.create_task(stop_requested.wait())
+        await asyncio.wait([died, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+        if client.died.is_set():
+            logger.error("scheduler failed: %s; exiting so a supervisor can restart us", client.dead_reason)
+            exit_code = 1
+        else:
+            await _drain(client, health, server_config.shutdown_grace_s)
+        return exit_code
+    finally:
+        health.shutting_down = True
+        await server.stop(grace=1.0)
+        await client.stop()
+        logger.info("stopped")
+
+
+async def _start_engine(client: SchedulerClient) -> None:
+    await client.start()
+    await warm_up(client)
+
+
+async def _drain(client: SchedulerClient, health: HealthState, grace_s: float) -> None:
+    """Stop admitting, let in-flight requests finish up to the grace period, abort the rest."""
+    health.shutting_down = True
+    logger.info("draining %d in-flight request(s), up to %.0f s", client.num_in_flight, grace_s)
+    deadline = time.monotonic() + grace_s
+    while client.num_in_flight and time.monotonic() < deadline and client.alive:
+        await asyncio.sleep(0.05)
+    for rid in client.in_flight_ids():
+        client.abort(rid, "server shutting down")
+    # Give aborted streams a moment to deliver their final "abort" Complete.
+    deadline = time.monotonic() + 2.0
+    while client.num_in_flight and time.monotonic() < deadline and client.alive:
+        await asyncio.sleep(0.05)
