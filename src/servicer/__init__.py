@@ -1,0 +1,1 @@
+"""gRPC frontend of the inference daemon."""

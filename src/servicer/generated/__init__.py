@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC code lives here, built by tools/gen_proto.py."""
