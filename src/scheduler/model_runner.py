@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +18,7 @@ from kernels.sampling import SamplingTensors, sample
 
 from .config import EngineConfig, parse_memory_size
 from .device import free_memory_bytes, resolve_device, resolve_dtype, synchronize
+from .model_config import ModelConfig
 from .model_source import resolve_model
 from .models import build_model
 from .scheduler import ScheduledBatch
@@ -28,21 +30,38 @@ CPU_DEFAULT_KV_BYTES = 2 * 2**30
 GPU_MEMORY_FRACTION = 0.85  # of the memory free after weights, for the KV cache
 
 
+@dataclass
+class LoadedModel:
+    path: str
+    config: ModelConfig
+    model: torch.nn.Module
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Resolve, read and place the weights (one copy, already in the target dtype)."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    path = resolve_model(config.model)
+    model_config, state_dict = load_checkpoint(path)
+    model = build_model(model_config, dtype=dtype)
+    model.load_weights(state_dict)
+    del state_dict
+    return LoadedModel(path, model_config, model.to(device=device).eval())
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        """``loaded`` lets several runners (e.g. tests with different KV sizes) share weights."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+            torch.set_flush_denormal(True)  # denormal activations slow x86 math by orders of magnitude
         torch.manual_seed(config.seed)
 
-        self.model_path = resolve_model(config.model)
-        self.model_config, state_dict = load_checkpoint(self.model_path)
-        model = build_model(self.model_config, dtype=self.dtype)
-        model.load_weights(state_dict)
-        del state_dict
-        self.model = model.to(device=self.device).eval()
+        loaded = loaded or load_model(config)
+        self.model_path, self.model_config, self.model = loaded.path, loaded.config, loaded.model
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,

@@ -1,0 +1,77 @@
+"""The offline engine on the bundled model: prefix caching, chunked prefill and
+preemption must not change greedy tokens, and every KV block comes back."""
+
+import random
+
+import pytest
+
+from scheduler.config import EngineConfig
+from scheduler.engine import Engine
+from scheduler.messages import SamplingParams
+from scheduler.model_runner import ModelRunner, load_model
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(EngineConfig(device="cpu"))
+
+
+def make_engine(loaded, **overrides):
+    config = EngineConfig(device="cpu", **{"kv_cache_tokens": 4096, **overrides})
+    return Engine(config, ModelRunner(config, loaded))
+
+
+def prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randint(100, 49000) for _ in range(rng.randint(20, 70))] for _ in range(n)]
+
+
+def assert_no_leak(engine):
+    pool = engine.pool
+    assert pool.num_free_blocks == pool.num_blocks, f"{pool.num_used_blocks} KV blocks still held"
+    assert not engine.has_work()
+
+
+@pytest.fixture(scope="module")
+def reference(loaded):
+    """Greedy outputs with a roomy KV and one request at a time (no batching effects)."""
+    engine = make_engine(loaded, max_running_requests=1, enable_prefix_caching=False)
+    return [engine.generate([p], GREEDY)[0].output_ids for p in prompts(6)]
+
+
+def test_batched_matches_one_at_a_time(loaded, reference):
+    engine = make_engine(loaded, max_running_requests=6)
+    out = engine.generate(prompts(6), GREEDY)
+    assert [c.output_ids for c in out] == reference
+    assert engine.stats.max_batch_size > 1
+    assert_no_leak(engine)
+
+
+def test_prefix_cache_hit_reports_cached_tokens_and_same_output(loaded):
+    engine = make_engine(loaded)
+    prompt = prompts(1, seed=3)[0] + list(range(200, 240))
+    first = engine.generate([prompt], GREEDY)[0]
+    second = engine.generate([prompt], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == (len(prompt) - 1) // 16 * 16 > 0
+    assert second.output_ids == first.output_ids
+    assert_no_leak(engine)
+
+
+def test_chunked_prefill_gives_same_tokens(loaded, reference):
+    engine = make_engine(loaded, max_num_batched_tokens=16, enable_prefix_caching=False)
+    out = engine.generate(prompts(6), GREEDY)
+    assert engine.stats.max_step_tokens <= 16
+    assert [c.output_ids for c in out] == reference
+    assert_no_leak(engine)
+
+
+def test_preemption_under_tiny_kv_gives_same_tokens(loaded, reference):
+    # 6 requests of up to ~94 tokens each cannot all fit in 160 KV tokens at once.
+    engine = make_engine(loaded, kv_cache_tokens=160, max_running_requests=6)
+    out = engine.generate(prompts(6), GREEDY)
+    assert engine.scheduler.num_preemptions > 0
+    assert [c.output_ids for c in out] == reference
+    assert_no_leak(engine)
