@@ -132,3 +132,14 @@ def test_duplicate_request_id_is_refused():
     with pytest.raises(AdmissionError) as e:
         add(sched, "a", [1, 2, 3])
     assert e.value.code == "ALREADY_EXISTS"
+
+
+def test_cache_salt_separates_prefix_cache():
+    sched, _ = make_scheduler()
+    prompt = list(range(40, 53))
+    sched.add_request(AddRequest("a", prompt, SamplingParams(temperature=0.0, max_new_tokens=2), cache_salt="tenant-1"))
+    run(sched)
+    other = sched.add_request(AddRequest("b", prompt, SamplingParams(temperature=0.0, max_new_tokens=2), cache_salt="tenant-2"))
+    same = sched.add_request(AddRequest("c", prompt, SamplingParams(temperature=0.0, max_new_tokens=2), cache_salt="tenant-1"))
+    run(sched)
+    assert other.num_cached_tokens == 0 and same.num_cached_tokens == 12

@@ -26,7 +26,7 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(len(req.block_digests), num_tokens // bs):
             parent = req.block_digests[-1] if req.block_digests else None
-            req.block_digests.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs]))
+            req.block_digests.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs], req.hash_extra))
 
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Cached blocks for the request's longest known prefix. At least the last token

@@ -27,6 +27,7 @@ class Request:
         max_new_tokens: int,
         eos_token_ids: frozenset[int],
         arrival_time: float = 0.0,
+        hash_extra: bytes = b"",
     ):
         self.request_id = request_id
         self.token_ids = list(prompt_ids)  # prompt, then outputs
@@ -37,6 +38,7 @@ class Request:
             frozenset() if sampling.ignore_eos else eos_token_ids
         )
         self.arrival_time = arrival_time
+        self.hash_extra = hash_extra  # extra prefix-cache keys (cache salt, adapter)
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)

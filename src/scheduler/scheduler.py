@@ -8,7 +8,6 @@ freed and it goes back to the head of the queue with its tokens so far.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -86,7 +85,8 @@ class Scheduler:
                 "RESOURCE_EXHAUSTED",
                 f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the whole KV cache ({capacity} tokens)",
             )
-        req = Request(msg.request_id, msg.input_ids, msg.sampling, max_new, self.eos_token_ids, msg.arrival_time)
+        extra = f"{msg.cache_salt}\0{msg.lora_id}".encode() if (msg.cache_salt or msg.lora_id) else b""
+        req = Request(msg.request_id, msg.input_ids, msg.sampling, max_new, self.eos_token_ids, msg.arrival_time, extra)
         self.requests[req.request_id] = req
         self.waiting.append(req)
         return req

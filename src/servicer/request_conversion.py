@@ -86,4 +86,8 @@ def to_add_request(request, model_info: dict) -> AddRequest:
             f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
             f"exceeds the context limit of {context} tokens"
         )
-    return AddRequest(request.request_id, input_ids, sampling, time.time())
+    salt = ""
+    sp = request.sampling_params
+    if sp.HasField("custom_params") and "cache_salt" in sp.custom_params.fields:
+        salt = sp.custom_params.fields["cache_salt"].string_value
+    return AddRequest(request.request_id, input_ids, sampling, time.time(), cache_salt=salt, lora_id=request.lora_id)
