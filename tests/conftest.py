@@ -27,8 +27,9 @@ _session_daemon = None  # the running session daemon (for log tails in failure r
 def daemon(tmp_path_factory):
     """One real daemon for all end-to-end tests (SmolLM2 on CPU)."""
     global _session_daemon
-    from helpers import Daemon
+    from helpers import Daemon, install_sigterm_cleanup
 
+    install_sigterm_cleanup()
     d = Daemon(
         model=os.environ.get("E2E_MODEL", "smollm2"),
         max_running_requests=E2E_MAX_RUNNING_REQUESTS,

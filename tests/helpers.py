@@ -50,6 +50,23 @@ def _kill_leftovers() -> None:
 atexit.register(_kill_leftovers)
 
 
+def install_sigterm_cleanup() -> None:
+    """Turn SIGTERM (e.g. from a CI `timeout`) into KeyboardInterrupt so context managers
+    and pytest finalisers still stop the daemon and router. Only where SIGTERM is unhandled."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def _on_term(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills for real
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, _on_term)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -7,6 +7,8 @@ top_p 1, top_k -1, repetition_penalty 1, skip_special_tokens true, logprob_start
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import uuid
@@ -17,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from helpers import SCHEDULER_SERVICE
+from helpers import SCHEDULER_SERVICE, Daemon, _group_members
 
 VOCAB_SIZE = 49152
 CONTEXT_LENGTH = 8192
@@ -451,6 +453,108 @@ def test_health_check_rpc_fast_under_load(grpc_stub, story):
         for f in futs:
             f.result(timeout=RPC_TIMEOUT)
     assert worst < 2.0, f"HealthCheck took {worst:.2f} s while generating"
+
+
+@pytest.mark.xfail(
+    reason="daemon bug: the scheduler heartbeats only between steps and health/loads treat a heartbeat "
+    "older than 2 s as dead, so one long prefill step (>~1500 new tokens on 2 CPU cores) flips "
+    "grpc.health '' and the readiness name to NOT_SERVING, HealthCheck to healthy=false and GetLoads to UNAVAILABLE",
+    strict=False,
+)
+def test_health_stays_up_during_long_prefill(grpc_stub, health_stub):
+    """A busy scheduler is not a dead one (contract §4: readiness may drop only after 30 s
+    without output while requests are pending; liveness '' never for mere load; GetLoads
+    must keep answering while generation runs, §10)."""
+    prompt = [1000 + (i * 7919) % 40000 for i in range(3000)]  # no prefix-cache hits
+    done = threading.Event()
+    result = {}
+
+    def run():
+        try:
+            result["c"] = one_complete(grpc_stub, make_request(prompt, max_new_tokens=1))
+        except Exception as e:  # noqa: BLE001 - reported below
+            result["e"] = e
+        finally:
+            done.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    problems = []
+    try:
+        while not done.wait(0.25):
+            live = health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+            ready = health_stub.Check(health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=5).status
+            h = grpc_stub.HealthCheck(pb.HealthCheckRequest(), timeout=5)
+            try:
+                grpc_stub.GetLoads(pb.GetLoadsRequest(include=["core"]), timeout=5)
+                loads_ok = True
+            except grpc.RpcError as e:
+                loads_ok = f"{e.code().name}: {e.details()}"
+            if live != health_pb2.HealthCheckResponse.SERVING:
+                problems.append("liveness '' NOT_SERVING")
+            if ready != health_pb2.HealthCheckResponse.SERVING:
+                problems.append("readiness NOT_SERVING")
+            if not h.healthy:
+                problems.append(f"HealthCheck healthy=false ({h.message})")
+            if loads_ok is not True:
+                problems.append(f"GetLoads {loads_ok}")
+    finally:
+        t.join(timeout=RPC_TIMEOUT)
+    assert "e" not in result, result.get("e")
+    assert not problems, sorted(set(problems))
+
+
+@pytest.mark.xfail(reason="daemon gap: FlushCache (router POST /flush_cache, contract §6) is UNIMPLEMENTED", strict=False)
+def test_flush_cache_drops_the_prefix_cache(grpc_stub, story):
+    from smg_grpc_proto.generated import common_pb2
+
+    prompt = story * 12
+    greedy_ids(grpc_stub, prompt, max_new_tokens=2)
+    assert wait_idle(grpc_stub) == 0
+    r = grpc_stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=0), timeout=60)
+    assert r.success, r.message
+    _, c = greedy_ids(grpc_stub, prompt, max_new_tokens=2)
+    assert c.cached_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "leader",
+        pytest.param(
+            "group",
+            marks=pytest.mark.xfail(
+                reason="daemon bug: the scheduler child dies on a SIGTERM sent to the whole process group "
+                "(Ctrl-C, systemd KillMode=control-group), so in-flight requests fail UNAVAILABLE instead of draining",
+                strict=False,
+            ),
+        ),
+    ],
+)
+def test_sigterm_drains_in_flight_requests(tmp_path, target):
+    """SIGTERM lets an in-flight stream finish, then the daemon exits 0 and leaves no process behind."""
+    from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+    with Daemon(max_running_requests=4, kv_cache_tokens=2048, log_dir=tmp_path) as d:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = pb_grpc.SglangSchedulerStub(ch)
+            req = make_request([6403, 1980, 253, 655], max_new_tokens=40, ignore_eos=True, stream=True)
+            call = stub.Generate(req, timeout=RPC_TIMEOUT)
+            first = next(call)
+            assert first.WhichOneof("response") == "chunk"
+            if target == "leader":
+                os.kill(d.proc.pid, signal.SIGTERM)
+            else:
+                os.killpg(d.proc.pid, signal.SIGTERM)
+            msgs = [first] + list(call)
+            assert msgs[-1].WhichOneof("response") == "complete"
+            assert msgs[-1].complete.finish_reason == "length"
+            assert sum(len(m.chunk.token_ids) for m in msgs if m.WhichOneof("response") == "chunk") == 40
+        assert d.proc.wait(timeout=60) == 0, d.log_tail()
+        deadline = time.monotonic() + 10
+        while _group_members(d.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _group_members(d.proc.pid), "a daemon process outlived the SIGTERM"
 
 
 @pytest.mark.parametrize("service", ["", SCHEDULER_SERVICE])

@@ -11,6 +11,14 @@ import pytest
 from helpers import SCHEDULER_SERVICE, find_executable
 
 
+def field(msg: dict, name: str):
+    """A JSON field by its proto name or its lowerCamelCase JSON name (grpcurl versions differ)."""
+    if name in msg:
+        return msg[name]
+    head, *rest = name.split("_")
+    return msg[head + "".join(w.capitalize() for w in rest)]
+
+
 @pytest.fixture(scope="module")
 def grpcurl(daemon):
     exe = find_executable("grpcurl")
@@ -60,14 +68,15 @@ def test_scheduler_health_check_via_reflection(grpcurl):
 
 def test_model_info_via_reflection(grpcurl):
     out = json.loads(grpcurl(f"{SCHEDULER_SERVICE}/GetModelInfo", data={}))
-    assert out["vocabSize"] == 49152
-    assert out["maxContextLength"] == 8192
+    assert field(out, "vocab_size") == 49152
+    assert field(out, "max_context_length") == 8192
 
 
 def test_server_info_via_reflection(grpcurl):
     """GetServerInfo carries Structs and a Timestamp: reflection must serve the well-known types."""
     out = json.loads(grpcurl(f"{SCHEDULER_SERVICE}/GetServerInfo", data={}))
-    assert "serverArgs" in out and "schedulerInfo" in out, out
+    assert field(out, "server_args")["context_length"] == 8192
+    assert "max_batch_size" in field(out, "scheduler_info")
 
 
 def test_generate_via_reflection(grpcurl):
@@ -79,6 +88,6 @@ def test_generate_via_reflection(grpcurl):
     }
     out = grpcurl(f"{SCHEDULER_SERVICE}/Generate", data=req)
     msg = json.loads(out)
-    assert msg["requestId"] == "grpcurl-1"
-    assert len(msg["complete"]["outputIds"]) == 3
-    assert msg["complete"]["finishReason"] == "length"
+    assert field(msg, "request_id") == "grpcurl-1"
+    assert len(field(msg["complete"], "output_ids")) == 3
+    assert field(msg["complete"], "finish_reason") == "length"
