@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_kernels
 from kernels.attention import AttentionMetadata, paged_attention, store_kv
 
 BS, H, HKV, D = 4, 6, 2, 16
@@ -22,8 +23,18 @@ def dense_reference(q, k, v):
     return out.transpose(0, 1)
 
 
+@pytest.fixture(params=["native", "torch"])
+def decode_path(request, monkeypatch):
+    """Run each test with the native CPU decode kernel and with the torch reference path."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *a, **k: None)
+    elif cpu_kernels.load_library("paged_decode_attention") is None:
+        pytest.skip("no C compiler: native kernel unavailable")
+    return request.param
+
+
 @pytest.mark.parametrize("seed", [0, 1])
-def test_mixed_batch_matches_dense_attention(seed):
+def test_mixed_batch_matches_dense_attention(seed, decode_path):
     g = torch.Generator().manual_seed(seed)
     # (already computed tokens, tokens this step, block table): a decode, a decode at a
     # block boundary, a prefill with a cached prefix (bottom-right mask), a fresh prefill.
@@ -62,3 +73,22 @@ def test_store_kv_skips_padding_slots():
     flat = k_cache.view(-1, HKV, D)
     assert flat[5].eq(1).all() and flat[6].eq(1).all()
     assert flat.sum() == 2 * HKV * D
+
+
+def test_native_decode_kernel_matches_torch_path_on_long_sequences():
+    if cpu_kernels.load_library("paged_decode_attention") is None:
+        pytest.skip("no C compiler: native kernel unavailable")
+    g = torch.Generator().manual_seed(0)
+    n, num_blocks = 5, 64
+    k_cache = torch.randn(num_blocks, BS, HKV, D, generator=g)
+    v_cache = torch.randn(num_blocks, BS, HKV, D, generator=g)
+    seq_lens = [1, 4, 5, 37, 100]
+    tables = [torch.randperm(num_blocks - 1, generator=g)[: -(-s // BS)].add(1).tolist() for s in seq_lens]
+    meta = AttentionMetadata.build([1] * n, seq_lens, tables, BS)
+    q = torch.randn(n, H, D, generator=g)
+    k_flat, v_flat = k_cache.view(-1, HKV, D), v_cache.view(-1, HKV, D)
+    from kernels.attention import decode_attention_torch
+
+    expected = decode_attention_torch(q, k_flat, v_flat, meta, 0.125)
+    native = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, 0.125)
+    torch.testing.assert_close(native, expected, atol=1e-5, rtol=1e-5)

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernels
+
 
 @dataclass
 class PrefillSegment:
@@ -36,10 +38,24 @@ class PrefillSegment:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat slot per query token (-1 = padding, not stored)
+    block_size: int = 16
     num_decodes: int = 0  # decode requests come first, one token each
-    decode_kv_slots: torch.Tensor | None = None  # [num_decodes, max_seq_len]
-    decode_key_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_seq_len] bool
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64
     prefills: list[PrefillSegment] = field(default_factory=list)
+    _decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def decode_gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat KV slot of every key position [n, max_seq_len], key mask [n, 1, 1, max_seq_len])
+        for the torch decode path; built on first use, once per step."""
+        if self._decode_gather is None:
+            tables, seq = self.decode_block_tables, self.decode_seq_lens
+            kpos = torch.arange(int(seq.max()), device=seq.device)
+            block_idx = (kpos // self.block_size).clamp(max=tables.shape[1] - 1).expand(len(seq), -1)
+            slots = tables.gather(1, block_idx) * self.block_size + kpos % self.block_size
+            valid = kpos[None, :] < seq[:, None]
+            self._decode_gather = (torch.where(valid, slots, 0), valid[:, None, None, :])
+        return self._decode_gather
 
     @staticmethod
     def build(
@@ -66,16 +82,10 @@ class AttentionMetadata:
         pos = (seq - qlen)[req_of_token] + torch.arange(int(qlen.sum())) - starts[req_of_token]
         slot_mapping = table[req_of_token, pos // block_size] * block_size + pos % block_size
 
-        meta = AttentionMetadata(slot_mapping=slot_mapping.to(device), num_decodes=num_decodes)
+        meta = AttentionMetadata(slot_mapping=slot_mapping.to(device), block_size=block_size, num_decodes=num_decodes)
         if num_decodes:
-            max_len = int(seq[:num_decodes].max())
-            kpos = torch.arange(max_len)
-            rows = table[:num_decodes]
-            slots = rows.gather(1, (kpos // block_size).expand(num_decodes, -1).clamp(max=rows.shape[1] - 1))
-            slots = slots * block_size + kpos % block_size
-            valid = kpos[None, :] < seq[:num_decodes, None]
-            meta.decode_kv_slots = torch.where(valid, slots, 0).to(device)
-            meta.decode_key_mask = valid[:, None, None, :].to(device)
+            meta.decode_block_tables = table[:num_decodes].to(device)
+            meta.decode_seq_lens = seq[:num_decodes].to(device)
         q_start = num_decodes
         for i in range(num_decodes, len(query_lens)):
             q_len, s_len = query_lens[i], seq_lens[i]
@@ -103,6 +113,19 @@ def store_kv(
     v_flat.index_copy_(0, slot_mapping, v)
 
 
+def decode_attention_torch(
+    q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Reference decode path: gather each request's keys, then SDPA with a length mask."""
+    slots, mask = meta.decode_gather()
+    keys = k_flat.index_select(0, slots.flatten()).view(*slots.shape, *k_flat.shape[1:]).transpose(1, 2)
+    values = v_flat.index_select(0, slots.flatten()).view(*slots.shape, *v_flat.shape[1:]).transpose(1, 2)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k_flat.shape[1]
+    )
+    return o.squeeze(2)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -121,13 +144,10 @@ def paged_attention(
     gqa = q.shape[1] != k_flat.shape[1]
     n = meta.num_decodes
     if n:
-        keys = k_flat[meta.decode_kv_slots].transpose(1, 2)  # [n, kv_heads, S, D]
-        values = v_flat[meta.decode_kv_slots].transpose(1, 2)
-        query = q[:n].unsqueeze(2)  # [n, heads, 1, D]
-        o = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=meta.decode_key_mask, scale=scale, enable_gqa=gqa
+        native = cpu_kernels.paged_decode_attention(
+            q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
         )
-        out[:n] = o.squeeze(2)
+        out[:n] = native if native is not None else decode_attention_torch(q[:n], k_flat, v_flat, meta, scale)
     for seg in meta.prefills:
         query = q[seg.q_start : seg.q_end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
         keys = k_flat[seg.kv_slots].transpose(0, 1).unsqueeze(0)

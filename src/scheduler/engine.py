@@ -4,12 +4,13 @@ offline (tests, benchmarks) through :meth:`Engine.generate`."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .kv_manager import KVCacheManager
-from .messages import AddRequest, RequestOutput, SamplingParams, StepOutput
+from .messages import AddRequest, LoadSnapshot, RequestOutput, SamplingParams, StepOutput
 from .model_runner import ModelRunner
 from .request import Request
 from .scheduler import AdmissionError, Scheduler, SchedulerConfig
@@ -21,9 +22,11 @@ class EngineStats:
     max_batch_size: int = 0
     max_step_tokens: int = 0
     num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
     num_generated_tokens: int = 0
     batch_size_histogram: dict[int, int] = field(default_factory=dict)
+    recent_tokens: deque = field(default_factory=deque)  # (time, tokens sampled) of recent steps
+
+THROUGHPUT_WINDOW_S = 5.0
 
 
 @dataclass
@@ -54,11 +57,14 @@ class Engine:
             eos,
         )
         self.stats = EngineStats()
+        self.load = LoadSnapshot(max_total_num_tokens=self.kv.capacity_tokens)
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, msg: AddRequest) -> Request:
         """Queue a request; raises AdmissionError for one that can never run."""
-        return self.scheduler.add_request(msg)
+        req = self.scheduler.add_request(msg)
+        self.stats.num_prompt_tokens += req.num_prompt_tokens
+        return req
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
@@ -71,7 +77,7 @@ class Engine:
         batch = self.scheduler.schedule()
         sampled = self.runner.execute(batch) if len(batch) else []
         self.scheduler.update(batch, sampled)
-        self._record(batch)
+        self._record(batch, len(sampled))
         outputs = [self._output_of(req) for req in batch.requests if not req.is_finished]
         outputs = [o for o in outputs if o is not None] + self.finished_outputs()
         return StepOutput(outputs=outputs, step=self.stats.steps, batch_size=len(batch), num_tokens=batch.num_tokens)
@@ -95,13 +101,44 @@ class Engine:
             matched_token_id=req.matched_token_id,
         )
 
-    def _record(self, batch) -> None:
+    def _record(self, batch, num_sampled: int) -> None:
         s = self.stats
         s.steps += 1
         n = len(batch)
         s.max_batch_size = max(s.max_batch_size, n)
         s.max_step_tokens = max(s.max_step_tokens, batch.num_tokens)
         s.batch_size_histogram[n] = s.batch_size_histogram.get(n, 0) + 1
+        s.num_generated_tokens += num_sampled
+        now = time.monotonic()
+        s.recent_tokens.append((now, num_sampled))
+        while s.recent_tokens and s.recent_tokens[0][0] < now - THROUGHPUT_WINDOW_S:
+            s.recent_tokens.popleft()
+        self.refresh_load()
+
+    def refresh_load(self) -> None:
+        """Publish a new load snapshot (replaced whole, so other threads read it safely)."""
+        s, sched = self.stats, self.scheduler
+        window = s.recent_tokens
+        span = (window[-1][0] - window[0][0]) if len(window) > 1 else 0.0
+        self.load = LoadSnapshot(
+            step=s.steps,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_waiting_uncached_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
+            num_used_tokens=self.pool.num_used_blocks * self.pool.block_size,
+            max_total_num_tokens=self.kv.capacity_tokens,
+            gen_throughput=sum(n for _, n in window) / span if span > 0 else 0.0,
+            cache_hit_rate=sched.num_cached_prompt_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0,
+        )
+
+    def flush_cache(self) -> tuple[bool, str]:
+        """Drop every cached prefix block; refused while requests hold KV."""
+        if self.scheduler.has_work():
+            n = len(self.scheduler.running) + len(self.scheduler.waiting)
+            return False, f"cannot flush the prefix cache: {n} request(s) in flight"
+        if not self.pool.reset_prefix_cache():
+            return False, "cannot flush the prefix cache: KV blocks are still in use"
+        return True, "prefix cache flushed"
 
     def stats_dict(self) -> dict:
         s = self.stats
@@ -113,6 +150,9 @@ class Engine:
             "num_running_reqs": len(self.scheduler.running),
             "num_waiting_reqs": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_generated_tokens": s.num_generated_tokens,
+            "gen_throughput": self.load.gen_throughput,
+            "cache_hit_rate": self.load.cache_hit_rate,
             "num_used_blocks": self.pool.num_used_blocks,
             "num_free_blocks": self.pool.num_free_blocks,
             "num_total_blocks": self.pool.num_blocks,

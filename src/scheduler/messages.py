@@ -2,7 +2,7 @@
 
 servicer -> scheduler: AddRequest, AbortRequest, ControlRequest.
 scheduler -> servicer: EngineReady (once, after load), StepOutput (one per step that
-produced anything), ControlReply, Heartbeat (while idle), EngineDead.
+produced anything), ControlReply, Heartbeat (every 0.25 s, from a thread), EngineDead.
 
 Kept free of torch imports: the servicer process imports this module too.
 """
@@ -78,10 +78,24 @@ class StepOutput(msgspec.Struct, tag=True):
     num_tokens: int
 
 
+class LoadSnapshot(msgspec.Struct):
+    """The scheduler's load, refreshed after every step (read by GetLoads and health)."""
+
+    step: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_uncached_tokens: int = 0
+    num_used_tokens: int = 0
+    max_total_num_tokens: int = 0
+    gen_throughput: float = 0.0  # output tokens/s over the last few seconds
+    cache_hit_rate: float = 0.0  # cached / all prompt tokens admitted so far
+
+
 class Heartbeat(msgspec.Struct, tag=True):
-    step: int
-    num_running: int
-    num_waiting: int
+    """Sent every HEARTBEAT_S by a thread of the scheduler process, also mid-step."""
+
+    load: LoadSnapshot
+    in_step_s: float  # how long the current step has run; 0 between steps
 
 
 class EngineReady(msgspec.Struct, tag=True):

@@ -1,9 +1,14 @@
 """The scheduler process: receives requests over ZMQ, steps the engine, streams outputs back.
 
 Started by the servicer as ``python -m scheduler.process --config JSON --inbox ADDR --outbox ADDR``.
-Sends EngineReady once the model is loaded, a StepOutput after every step that
-produced something, and a Heartbeat at least every ``HEARTBEAT_S`` otherwise, so the
-servicer can tell a live scheduler from a stuck one.
+Sends EngineReady once the model is loaded and a StepOutput after every step that
+produced something. A separate thread sends a Heartbeat every ``HEARTBEAT_S``, also
+while a long step runs, carrying the latest load snapshot and how long the current
+step has been running: the servicer tells a busy scheduler from a dead or stuck one.
+
+Only the servicer stops this process (a "shutdown" control call, or SIGKILL): a
+SIGTERM/SIGINT sent to the whole process group is ignored while the parent lives, so
+the servicer can drain in-flight requests first.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -39,11 +45,19 @@ logger = logging.getLogger("scheduler")
 HEARTBEAT_S = 0.25
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGTERM us when the servicer dies, so no orphan keeps the KV."""
+def _tie_lifetime_to_parent() -> None:
+    """Die with the servicer (no orphan holding memory); ignore group-wide TERM/INT."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    parent = os.getppid()
+
+    def on_signal(signum, frame):
+        if os.getppid() != parent:  # the servicer is gone: nobody will drain us
+            os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
 
 
 def model_info(engine, config: EngineConfig) -> dict:
@@ -73,6 +87,25 @@ def model_info(engine, config: EngineConfig) -> dict:
     }
 
 
+class HeartbeatThread(threading.Thread):
+    """Proves the process is alive even while a long step holds the main loop."""
+
+    def __init__(self, engine, ctx: zmq.Context, outbox_addr: str, loop: "SchedulerLoop"):
+        super().__init__(name="heartbeat", daemon=True)
+        self.engine = engine
+        self.loop = loop
+        self.socket = ctx.socket(zmq.PUSH)  # zmq sockets are not thread-safe: its own
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(outbox_addr)
+
+    def run(self) -> None:
+        while True:
+            started = self.loop.step_started
+            in_step = time.monotonic() - started if started else 0.0
+            self.socket.send(from_scheduler_encoder.encode(Heartbeat(self.engine.load, in_step)))
+            time.sleep(HEARTBEAT_S)
+
+
 class SchedulerLoop:
     def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket):
         self.engine = engine
@@ -80,25 +113,23 @@ class SchedulerLoop:
         self.outbox = outbox
         self.poller = zmq.Poller()
         self.poller.register(inbox, zmq.POLLIN)
-        self.last_sent = 0.0
+        self.step_started = 0.0  # monotonic start of the running step, 0 between steps
+        self.running = True
 
     def send(self, msg) -> None:
         self.outbox.send(from_scheduler_encoder.encode(msg), copy=False)
-        self.last_sent = time.monotonic()
 
     def run(self) -> None:
-        while True:
-            busy = self.engine.has_work()
-            timeout_ms = 0 if busy else int(HEARTBEAT_S * 1000)
+        while self.running:
+            timeout_ms = 0 if self.engine.has_work() else int(HEARTBEAT_S * 1000)
             if self.poller.poll(timeout_ms):
                 self._drain_inbox()
             if self.engine.has_work():
+                self.step_started = time.monotonic()
                 out = self.engine.step()
+                self.step_started = 0.0
                 if out.outputs:
                     self.send(out)
-            if time.monotonic() - self.last_sent >= HEARTBEAT_S:
-                s = self.engine.scheduler
-                self.send(Heartbeat(self.engine.stats.steps, len(s.running), len(s.waiting)))
 
     def _drain_inbox(self) -> None:
         refused: list[RequestOutput] = []
@@ -120,6 +151,7 @@ class SchedulerLoop:
         finished = self.engine.finished_outputs()
         if refused or finished:
             self.send(StepOutput(outputs=refused + finished, step=self.engine.stats.steps, batch_size=0, num_tokens=0))
+        self.engine.refresh_load()
 
     def _add(self, msg: AddRequest) -> RequestOutput | None:
         from .scheduler import AdmissionError
@@ -143,6 +175,12 @@ class SchedulerLoop:
         try:
             if msg.method == "stats":
                 return ControlReply(msg.call_id, True, self.engine.stats_dict())
+            if msg.method == "flush_cache":
+                ok, message = self.engine.flush_cache()
+                return ControlReply(msg.call_id, ok, message=message)
+            if msg.method == "shutdown":
+                self.running = False
+                return ControlReply(msg.call_id, True, message="scheduler stopping")
             return ControlReply(msg.call_id, False, message=f"unknown control method {msg.method!r}")
         except Exception as e:  # an admin call must never take the scheduler down
             logger.exception("control call %s failed", msg.method)
@@ -159,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s scheduler[%(process)d]: %(message)s"
     )
-    _die_with_parent()
+    _tie_lifetime_to_parent()
     config = msgspec.json.decode(args.config, type=EngineConfig)
 
     ctx = zmq.Context()
@@ -185,13 +223,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     logger.info("scheduler ready (pid %d)", os.getpid())
     try:
-        SchedulerLoop(engine, inbox, outbox).run()
-    except KeyboardInterrupt:
-        return 0
+        loop = SchedulerLoop(engine, inbox, outbox)
+        HeartbeatThread(engine, ctx, args.outbox, loop).start()
+        loop.run()
     except Exception as e:
         logger.error("scheduler loop crashed: %s\n%s", e, traceback.format_exc())
         send(EngineDead(f"scheduler crashed: {type(e).__name__}: {e}"))
         return 1
+    logger.info("scheduler stopped")
     return 0
 
 

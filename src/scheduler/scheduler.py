@@ -54,6 +54,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.finished: list[Request] = []  # finished since the last drain (aborts included)
         self.num_preemptions = 0
+        self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache, in all
 
     # -- admission -------------------------------------------------------------------
     def add_request(self, msg: AddRequest) -> Request:
@@ -78,11 +79,13 @@ class Scheduler:
             max_new = min(limit, capacity) - n  # up to the context (and what the KV can ever hold)
             if max_new < 1:
                 raise AdmissionError(
-                    "RESOURCE_EXHAUSTED", f"the prompt has {n} tokens; the KV cache holds {capacity} tokens in all"
+                    "INVALID_ARGUMENT", f"the prompt has {n} tokens; the KV cache holds {capacity} tokens in all"
                 )
         elif n + max_new > capacity:
+            # INVALID_ARGUMENT, not RESOURCE_EXHAUSTED: the router retries the latter, and
+            # this request can never fit however long it waits.
             raise AdmissionError(
-                "RESOURCE_EXHAUSTED",
+                "INVALID_ARGUMENT",
                 f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the whole KV cache ({capacity} tokens)",
             )
         extra = f"{msg.cache_salt}\0{msg.lora_id}".encode() if (msg.cache_salt or msg.lora_id) else b""
@@ -143,6 +146,7 @@ class Scheduler:
             self.kv.admit(req, cached)
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_cached
+                self.num_cached_prompt_tokens += num_cached
             self.kv.allocate(req, n)
             req.status = Status.RUNNING
             self.running.append(req)

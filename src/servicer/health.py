@@ -21,7 +21,7 @@ SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 class HealthState:
     """What the daemon knows about its own health; read by both health surfaces."""
 
-    def __init__(self, client, max_heartbeat_age: float = 2.0, stuck_after: float = 30.0):
+    def __init__(self, client, max_heartbeat_age: float = 2.0, stuck_after: float = 60.0):
         self.client = client
         self.max_heartbeat_age = max_heartbeat_age
         self.stuck_after = stuck_after
@@ -40,7 +40,10 @@ class HealthState:
             return "warm-up generation has not completed"
         age = self.client.heartbeat_age()
         if age > self.max_heartbeat_age:
-            return f"no sign of life from the scheduler for {age:.1f} s"
+            return f"no heartbeat from the scheduler for {age:.1f} s"
+        in_step = self.client.liveness.in_step_s
+        if in_step > self.stuck_after:
+            return f"the scheduler has been stuck in one step for {in_step:.0f} s"
         return None
 
     def status(self, service: str) -> int:

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -27,6 +27,7 @@ from scheduler.messages import (
     EngineDead,
     EngineReady,
     Heartbeat,
+    LoadSnapshot,
     RequestOutput,
     StepOutput,
     from_scheduler_decoder,
@@ -43,9 +44,8 @@ class SchedulerUnavailable(Exception):
 @dataclass
 class Liveness:
     last_message: float = 0.0  # monotonic time of the last message from the scheduler
-    last_step: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
+    in_step_s: float = 0.0  # how long its current step had run at the last heartbeat
+    load: LoadSnapshot = field(default_factory=LoadSnapshot)
 
 
 class SchedulerClient:
@@ -100,13 +100,14 @@ class SchedulerClient:
         if not self.ready.is_set():
             raise SchedulerUnavailable(self.dead_reason or "scheduler exited during start-up")
 
-    async def stop(self, timeout: float = 10.0) -> None:
-        """Stop the scheduler process (TERM, then KILL) and close the sockets."""
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Stop the scheduler process (a shutdown call, then SIGKILL) and close the sockets."""
         proc = self.process
         if proc is not None and proc.returncode is None:
-            proc.terminate()
+            if self.alive:
+                self.to_scheduler.send(to_scheduler_encoder.encode(ControlRequest(0, "shutdown")))
             try:
-                await asyncio.wait_for(proc.wait(), timeout)
+                await asyncio.wait_for(proc.wait(), timeout if self.alive else 0.1)
             except (TimeoutError, asyncio.TimeoutError):
                 proc.kill()
                 await proc.wait()
@@ -152,15 +153,13 @@ class SchedulerClient:
             msg = from_scheduler_decoder.decode(raw.buffer)
             self.liveness.last_message = time.monotonic()
             if isinstance(msg, StepOutput):
-                self.liveness.last_step = msg.step
                 for out in msg.outputs:
                     queue = self._requests.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
             elif isinstance(msg, Heartbeat):
-                self.liveness.last_step = msg.step
-                self.liveness.num_running = msg.num_running
-                self.liveness.num_waiting = msg.num_waiting
+                self.liveness.load = msg.load
+                self.liveness.in_step_s = msg.in_step_s
             elif isinstance(msg, ControlReply):
                 fut = self._calls.pop(msg.call_id, None)
                 if fut is not None and not fut.done():

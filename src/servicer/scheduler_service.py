@@ -216,22 +216,37 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         )
 
     async def GetLoads(self, request, context):
+        """Answered from the scheduler's latest heartbeat: never waits for a step."""
         await self._require_ready(context)
-        try:
-            s = (await self.client.call("stats", timeout=2.0)).result
-        except (SchedulerUnavailable, TimeoutError, asyncio.TimeoutError) as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"scheduler stats unavailable: {e}")
-        total = s["max_total_num_tokens"]
+        if request.HasField("dp_rank") and request.dp_rank != 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dp_rank {request.dp_rank} does not exist (dp_size 1)")
+        s = self.client.liveness.load
+        include = set(request.include) or {"all"}
+        wanted = lambda section: "all" in include or section in include  # noqa: E731
+        total = s.max_total_num_tokens
+        max_running = self.info["max_running_requests"]
         load = pb.SchedulerLoad(
             dp_rank=0,
-            num_running_reqs=s["num_running_reqs"],
-            num_waiting_reqs=s["num_waiting_reqs"],
-            num_total_reqs=s["num_running_reqs"] + s["num_waiting_reqs"],
-            num_used_tokens=s["num_used_tokens"],
+            num_running_reqs=s.num_running,
+            num_waiting_reqs=s.num_waiting,
+            num_total_reqs=s.num_running + s.num_waiting,
+            num_used_tokens=s.num_used_tokens,
             max_total_num_tokens=total,
-            token_usage=s["num_used_tokens"] / total if total else 0.0,
-            max_running_requests=self.info["max_running_requests"],
+            token_usage=s.num_used_tokens / total if total else 0.0,
+            gen_throughput=s.gen_throughput,
+            cache_hit_rate=s.cache_hit_rate,
+            utilization=s.num_running / max_running if max_running else 0.0,
+            max_running_requests=max_running,
+            num_waiting_uncached_tokens=s.num_waiting_uncached_tokens,
         )
+        if wanted("memory"):
+            load.memory.CopyFrom(
+                pb.MemoryMetrics(weight_gb=self.info["weight_gb"], kv_cache_gb=self.info["kv_cache_gb"], token_capacity=total)
+            )
+        if wanted("queues"):
+            load.queues.CopyFrom(pb.QueueMetrics(waiting=s.num_waiting))
+        if wanted("disagg"):
+            load.disaggregation.CopyFrom(pb.DisaggregationMetrics(mode="null"))
         return pb.GetLoadsResponse(
             timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
             version=VERSION,
@@ -242,8 +257,49 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
                 total_waiting_reqs=load.num_waiting_reqs,
                 total_reqs=load.num_total_reqs,
                 avg_token_usage=load.token_usage,
+                avg_throughput=load.gen_throughput,
+                avg_utilization=load.utilization,
             ),
         )
+
+    # -- admin -------------------------------------------------------------------------
+    async def FlushCache(self, request, context):
+        """timeout_s 0: flush now or fail if busy; > 0: wait up to that long for idle."""
+        await self._require_ready(context)
+        deadline = time.monotonic() + max(request.timeout_s, 0)
+        while True:
+            try:
+                reply = await self.client.call("flush_cache", timeout=10.0)
+            except (SchedulerUnavailable, TimeoutError, asyncio.TimeoutError) as e:
+                return common_pb2.FlushCacheResponse(success=False, message=f"scheduler unavailable: {e}")
+            if reply.ok or time.monotonic() >= deadline:
+                return common_pb2.FlushCacheResponse(success=reply.ok, message=reply.message)
+            await asyncio.sleep(0.05)
+
+    async def _unimplemented(self, context, what: str):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{what} is not supported by this server")
+
+    async def Embed(self, request, context):
+        await self._unimplemented(context, "Embed (this is a generation model)")
+
+    async def SubscribeKvEvents(self, request, context):
+        await self._unimplemented(context, "SubscribeKvEvents")
+        yield  # pragma: no cover  (makes this a streaming handler)
+
+    async def StartProfile(self, request, context):
+        await self._unimplemented(context, "StartProfile")
+
+    async def StopProfile(self, request, context):
+        await self._unimplemented(context, "StopProfile")
+
+    async def LoadLoRAAdapter(self, request, context):
+        await self._unimplemented(context, "LoRA adapters")
+
+    async def UnloadLoRAAdapter(self, request, context):
+        await self._unimplemented(context, "LoRA adapters")
+
+    async def ListLoadedLoRAAdapters(self, request, context):
+        await self._unimplemented(context, "LoRA adapters")
 
     # -- tokenizer -----------------------------------------------------------------------
     async def GetTokenizer(self, request, context):
