@@ -26,7 +26,7 @@ from typing import Iterator, Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SRC_DIR = REPO_ROOT / "src"
-VENV_BIN = Path(sys.executable).resolve().parent
+VENV_BIN = Path(sys.executable).parent  # not resolved: a venv python is a symlink out of the venv
 
 SCHEDULER_SERVICE = "sglang.grpc.scheduler.SglangScheduler"
 DAEMON_START_TIMEOUT_S = 180.0

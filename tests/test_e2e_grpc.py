@@ -455,12 +455,6 @@ def test_health_check_rpc_fast_under_load(grpc_stub, story):
     assert worst < 2.0, f"HealthCheck took {worst:.2f} s while generating"
 
 
-@pytest.mark.xfail(
-    reason="daemon bug: the scheduler heartbeats only between steps and health/loads treat a heartbeat "
-    "older than 2 s as dead, so one long prefill step (>~1500 new tokens on 2 CPU cores) flips "
-    "grpc.health '' and the readiness name to NOT_SERVING, HealthCheck to healthy=false and GetLoads to UNAVAILABLE",
-    strict=False,
-)
 def test_health_stays_up_during_long_prefill(grpc_stub, health_stub):
     """A busy scheduler is not a dead one (contract §4: readiness may drop only after 30 s
     without output while requests are pending; liveness '' never for mere load; GetLoads
@@ -504,7 +498,6 @@ def test_health_stays_up_during_long_prefill(grpc_stub, health_stub):
     assert not problems, sorted(set(problems))
 
 
-@pytest.mark.xfail(reason="daemon gap: FlushCache (router POST /flush_cache, contract §6) is UNIMPLEMENTED", strict=False)
 def test_flush_cache_drops_the_prefix_cache(grpc_stub, story):
     from smg_grpc_proto.generated import common_pb2
 
@@ -517,20 +510,7 @@ def test_flush_cache_drops_the_prefix_cache(grpc_stub, story):
     assert c.cached_tokens == 0
 
 
-@pytest.mark.parametrize(
-    "target",
-    [
-        "leader",
-        pytest.param(
-            "group",
-            marks=pytest.mark.xfail(
-                reason="daemon bug: the scheduler child dies on a SIGTERM sent to the whole process group "
-                "(Ctrl-C, systemd KillMode=control-group), so in-flight requests fail UNAVAILABLE instead of draining",
-                strict=False,
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("target", ["leader", "group"])
 def test_sigterm_drains_in_flight_requests(tmp_path, target):
     """SIGTERM lets an in-flight stream finish, then the daemon exits 0 and leaves no process behind."""
     from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc

@@ -82,7 +82,7 @@ def paged_decode_attention(
         q.device.type != "cpu"
         or not (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32)
         or heads % kv_heads
-        or heads // kv_heads > 16
+        or heads > 64
         or head_dim > 256
         or block_size > 64
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
