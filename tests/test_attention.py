@@ -60,7 +60,8 @@ def test_mixed_batch_matches_dense_attention(seed, decode_path):
     expected_slots = [t[p // BS] * BS + p % BS for d, n, t in reqs for p in range(d, d + n)]
     assert meta.slot_mapping.tolist() == expected_slots
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = paged_attention(q, k_cache, v_cache, meta, 1 / math.sqrt(D))
+    out = paged_attention(q, k_cache, v_cache, meta, 1 / math.sqrt(D), k, v)
+    torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, 1 / math.sqrt(D)), out)
     expected = torch.cat([dense_reference(*s)[d:] for s, (d, _, _) in zip(seqs, reqs)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 

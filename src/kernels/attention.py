@@ -132,11 +132,14 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [T, heads, head_dim]`` over the paged cache; returns ``[T, heads, head_dim]``.
 
-    Assumes this step's K/V were already stored. GQA: ``heads`` is a multiple of the
-    cache's ``kv_heads``.
+    Assumes this step's K/V were already stored. ``k_new``/``v_new`` (this step's keys
+    and values, ``[T, kv_heads, head_dim]``) let a prefill with no cached prefix skip
+    reading its keys back from the cache. GQA: ``heads`` is a multiple of ``kv_heads``.
     """
     out = torch.empty_like(q)
     k_flat = k_cache.view(-1, *k_cache.shape[2:])
@@ -150,8 +153,11 @@ def paged_attention(
         out[:n] = native if native is not None else decode_attention_torch(q[:n], k_flat, v_flat, meta, scale)
     for seg in meta.prefills:
         query = q[seg.q_start : seg.q_end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
-        keys = k_flat[seg.kv_slots].transpose(0, 1).unsqueeze(0)
-        values = v_flat[seg.kv_slots].transpose(0, 1).unsqueeze(0)
+        if seg.mask is None and k_new is not None:  # keys are exactly this chunk's
+            keys, values = k_new[seg.q_start : seg.q_end], v_new[seg.q_start : seg.q_end]
+        else:
+            keys, values = k_flat.index_select(0, seg.kv_slots), v_flat.index_select(0, seg.kv_slots)
+        keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(
             query,
             keys,

@@ -83,7 +83,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
-        o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, k, v)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
