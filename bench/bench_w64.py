@@ -122,8 +122,10 @@ def run_daemon(work, args) -> dict:
 
     port = _free_port()
     cmd = [sys.executable, "-m", "servicer", "--model", args.model, "--port", str(port), "--device", args.device,
-           "--max-running-requests", str(len(work)), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--kv-cache-tokens", str(args.kv_cache_tokens), "--log-level", "warning"]
+           "--max-running-requests", str(len(work)), "--kv-cache-tokens", str(args.kv_cache_tokens),
+           "--log-level", "warning"]
+    if args.max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.threads:
         cmd += ["--num-threads", str(args.threads)]
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
@@ -205,7 +207,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=64, help="first N requests of W64 (for quick runs)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (W64 specifies 2)")
     ap.add_argument("--kv-cache-tokens", type=int, default=32768)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's own")
     ap.add_argument("--skip", default="", help="comma list of engine,daemon,hf to skip")
     ap.add_argument("--json", default=None, help="write the numbers to this file")
     args = ap.parse_args()

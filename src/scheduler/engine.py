@@ -50,7 +50,7 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_running_requests=config.max_running_requests,
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_batched_tokens=self.runner.max_num_batched_tokens,
                 max_model_len=self.runner.max_model_len,
             ),
             self.kv,

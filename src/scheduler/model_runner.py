@@ -27,6 +27,11 @@ from .weights import load_checkpoint
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 2 * 2**30
+# Step token budget: on a CPU a step's time grows with its tokens, so a smaller budget
+# keeps running decodes moving while long prompts prefill (GEMMs are already efficient
+# at a few hundred rows); accelerators want bigger steps.
+DEFAULT_BATCHED_TOKENS = {"cpu": 512}
+ACCELERATOR_BATCHED_TOKENS = 8192
 GPU_MEMORY_FRACTION = 0.85  # of the memory free after weights, for the KV cache
 
 
@@ -67,6 +72,9 @@ class ModelRunner:
             self.model_config.max_position_embeddings,
         )
         self.block_size = config.block_size
+        self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(
+            self.device.type, ACCELERATOR_BATCHED_TOKENS
+        )
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
         self.generator = torch.Generator(device=self.device)

@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "float32, bfloat16 or float16")
     p.add_argument("--max-running-requests", type=int, default=64,
                    help="most requests decoded together in one step; more wait in the queue")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one step (decodes + prefill chunks); longer prompts are chunked")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (decodes + prefill chunks); longer prompts are chunked "
+                   "(default: 512 on CPU, 8192 on accelerators)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context limit in tokens (default: the model's own)")
     kv = p.add_mutually_exclusive_group()
@@ -64,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
         except ValueError as e:
             parser.error(str(e))
     for name in ("max_running_requests", "max_num_batched_tokens", "block_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     engine = EngineConfig(
         model=args.model,
