@@ -2,7 +2,8 @@
 
 servicer -> scheduler: AddRequest, AbortRequest, ControlRequest.
 scheduler -> servicer: EngineReady (once, after load), StepOutput (one per step that
-produced anything), ControlReply, Heartbeat (every 0.25 s, from a thread), EngineDead.
+produced anything), ControlReply, Heartbeat (every 0.25 s, from a thread), EngineDead,
+KvEvents (the prefix cache's changes after a step or a flush).
 
 Kept free of torch imports: the servicer process imports this module too.
 """
@@ -113,8 +114,56 @@ class EngineDead(msgspec.Struct, tag=True):
     reason: str
 
 
+# -- KV cache events (prefix-cache changes, published to SubscribeKvEvents) ---------------
+
+
+class KvStored(msgspec.Struct, tag=True):
+    """One full block entered the prefix cache."""
+
+    block_hash: int  # int64 identity (first 8 sha256 bytes, big-endian, signed)
+    parent_hash: int | None  # the previous block of the same sequence; None at the root
+    token_ids: list[int]
+    block_size: int
+
+
+class KvRemoved(msgspec.Struct, tag=True):
+    block_hashes: list[int]
+
+
+class KvCleared(msgspec.Struct, tag=True):
+    pass
+
+
+KvEvent = Union[KvStored, KvRemoved, KvCleared]
+
+
+class KvEvents(msgspec.Struct, tag=True):
+    """The block pool's events drained after one step (or a flush), in order."""
+
+    events: list[KvEvent]
+    timestamp: float  # wall clock (time.time()) when drained
+
+    @classmethod
+    def from_pool(cls, events: list, block_size: int, timestamp: float) -> "KvEvents":
+        """Convert BlockPool events; consecutive removals merge into one KvRemoved."""
+        from .block_pool import AllBlocksCleared, BlockRemoved, BlockStored
+
+        out: list = []
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                out.append(KvStored(ev.block_hash, ev.parent_hash, list(ev.token_ids), block_size))
+            elif isinstance(ev, BlockRemoved):
+                if out and isinstance(out[-1], KvRemoved):
+                    out[-1].block_hashes.append(ev.block_hash)
+                else:
+                    out.append(KvRemoved([ev.block_hash]))
+            elif isinstance(ev, AllBlocksCleared):
+                out.append(KvCleared())
+        return cls(out, timestamp)
+
+
 ToScheduler = Union[AddRequest, AbortRequest, ControlRequest]
-FromScheduler = Union[EngineReady, StepOutput, Heartbeat, ControlReply, EngineDead]
+FromScheduler = Union[EngineReady, StepOutput, Heartbeat, ControlReply, EngineDead, KvEvents]
 
 to_scheduler_encoder = msgspec.msgpack.Encoder()
 to_scheduler_decoder = msgspec.msgpack.Decoder(ToScheduler)

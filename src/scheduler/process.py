@@ -35,11 +35,13 @@ from .messages import (
     EngineDead,
     EngineReady,
     Heartbeat,
+    KvEvents,
     RequestOutput,
     StepOutput,
     from_scheduler_encoder,
     to_scheduler_decoder,
 )
+from .profiler import StepProfiler
 
 logger = logging.getLogger("scheduler")
 HEARTBEAT_S = 0.25
@@ -115,6 +117,7 @@ class SchedulerLoop:
         self.poller.register(inbox, zmq.POLLIN)
         self.step_started = 0.0  # monotonic start of the running step, 0 between steps
         self.running = True
+        self.profiler = StepProfiler(str(engine.runner.device))  # StartProfile / StopProfile
 
     def send(self, msg) -> None:
         self.outbox.send(from_scheduler_encoder.encode(msg), copy=False)
@@ -130,6 +133,14 @@ class SchedulerLoop:
                 self.step_started = 0.0
                 if out.outputs:
                     self.send(out)
+                self._publish_kv_events()
+                self.profiler.on_step()
+
+    def _publish_kv_events(self) -> None:
+        """Send the prefix cache's changes since the last call as one KvEvents batch."""
+        events = self.engine.pool.take_events()
+        if events:
+            self.send(KvEvents.from_pool(events, self.engine.pool.block_size, time.time()))
 
     def _drain_inbox(self) -> None:
         refused: list[RequestOutput] = []
@@ -146,7 +157,9 @@ class SchedulerLoop:
             elif isinstance(msg, AbortRequest):
                 self.engine.abort(msg.request_id)
             elif isinstance(msg, ControlRequest):
-                self.send(self._control(msg))
+                reply = self._control(msg)
+                self._publish_kv_events()  # e.g. a flush's "cleared": streamed before the reply
+                self.send(reply)
         # Aborts finish requests outside a step: report them (and refusals) right away.
         finished = self.engine.finished_outputs()
         if refused or finished:
@@ -177,6 +190,12 @@ class SchedulerLoop:
                 return ControlReply(msg.call_id, True, self.engine.stats_dict())
             if msg.method == "flush_cache":
                 ok, message = self.engine.flush_cache()
+                return ControlReply(msg.call_id, ok, message=message)
+            if msg.method == "start_profile":
+                ok, message = self.profiler.start(**msg.args)
+                return ControlReply(msg.call_id, ok, message=message)
+            if msg.method == "stop_profile":
+                ok, message = self.profiler.stop()
                 return ControlReply(msg.call_id, ok, message=message)
             if msg.method == "shutdown":
                 self.running = False

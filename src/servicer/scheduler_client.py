@@ -27,6 +27,7 @@ from scheduler.messages import (
     EngineDead,
     EngineReady,
     Heartbeat,
+    KvEvents,
     LoadSnapshot,
     RequestOutput,
     StepOutput,
@@ -74,6 +75,7 @@ class SchedulerClient:
         self._call_ids = itertools.count(1)
         self._reader: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
+        self.kv_event_listener = None  # called with every KvEvents batch (see kv_events.py)
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -169,6 +171,11 @@ class SchedulerClient:
                 self.ready.set()
             elif isinstance(msg, EngineDead):
                 self._mark_dead(msg.reason)
+            elif isinstance(msg, KvEvents) and self.kv_event_listener is not None:
+                try:
+                    self.kv_event_listener(msg)
+                except Exception:  # never let a listener stop the read loop
+                    logger.exception("KV event listener failed")
 
     # -- requests --------------------------------------------------------------------
     def in_flight(self, request_id: str) -> bool:

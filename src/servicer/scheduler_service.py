@@ -19,6 +19,7 @@ from .generated import common_pb2
 from .generated import sglang_scheduler_pb2 as pb
 from .generated import sglang_scheduler_pb2_grpc as pb_grpc
 from .health import HealthState
+from .kv_events import KvEventHub
 from .request_conversion import InvalidRequest, to_add_request
 from .scheduler_client import SchedulerClient, SchedulerUnavailable
 from .tokenizer_bundle import build_bundle, chunks
@@ -283,14 +284,32 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         await self._unimplemented(context, "Embed (this is a generation model)")
 
     async def SubscribeKvEvents(self, request, context):
-        await self._unimplemented(context, "SubscribeKvEvents")
-        yield  # pragma: no cover  (makes this a streaming handler)
+        """Prefix-cache events with load records, replayable by cursor (contract §8)."""
+        await self._require_ready(context)
+        async for batch in KvEventHub.for_client(self.client).stream(request, context, self.client):
+            yield batch
 
     async def StartProfile(self, request, context):
-        await self._unimplemented(context, "StartProfile")
+        """A torch.profiler session in the scheduler process (contract §6)."""
+        await self._require_ready(context)
+        args = {"activities": list(request.activities)}
+        for name in ("output_dir", "start_step", "num_steps", "with_stack", "record_shapes"):
+            if request.HasField(name):
+                args[name] = getattr(request, name)
+        try:
+            reply = await self.client.call("start_profile", timeout=60.0, **args)
+        except (SchedulerUnavailable, TimeoutError, asyncio.TimeoutError) as e:
+            return common_pb2.ProfileResponse(success=False, message=f"scheduler unavailable: {e!r}")
+        return common_pb2.ProfileResponse(success=reply.ok, message=reply.message)
 
     async def StopProfile(self, request, context):
-        await self._unimplemented(context, "StopProfile")
+        """Stop the profiler and write its Chrome trace; the message names the file."""
+        await self._require_ready(context)
+        try:
+            reply = await self.client.call("stop_profile", timeout=600.0)
+        except (SchedulerUnavailable, TimeoutError, asyncio.TimeoutError) as e:
+            return common_pb2.ProfileResponse(success=False, message=f"scheduler unavailable: {e!r}")
+        return common_pb2.ProfileResponse(success=reply.ok, message=reply.message)
 
     async def LoadLoRAAdapter(self, request, context):
         await self._unimplemented(context, "LoRA adapters")

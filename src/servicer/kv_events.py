@@ -1,0 +1,268 @@
+"""SubscribeKvEvents: the prefix cache's changes as numbered KvEventBatch streams
+(router contract §8).
+
+The scheduler process sends one ``KvEvents`` message per step (or flush) that changed
+the prefix cache. :class:`KvEventHub` numbers them 1, 2, 3, ... as proto batches, keeps
+the last ``HISTORY_BATCHES`` for replay, and fans each one out to every subscriber's own
+bounded queue (a subscriber that falls that far behind is dropped with DATA_LOSS; the
+others never wait for it).
+
+A stream (:meth:`KvEventHub.stream`):
+
+* ``start_sequence_number`` 0: live from now, no replay. A non-zero cursor inside the
+  history replays exactly the batches after it, then goes live; a cursor older than the
+  history, or beyond the last batch (e.g. from before a restart), is OUT_OF_RANGE and
+  the router resubscribes from 0.
+* Every batch carries an ``EngineLoad`` record (from the scheduler's heartbeat snapshot).
+  Between batches the load is checked every 100 ms and a ``load_only`` batch (no events,
+  repeating the last sequence number) goes out when it changed, or as a heartbeat after
+  1 s of silence (5 s after two unchanged heartbeats). Before the stream's first real
+  batch such records are numbered 0 and sent only if ``load_records_before_first_batch``.
+  Telemetry (cache hit rate, token counts, memory, queues) rides on the stream's first
+  record and on heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+
+import grpc
+
+from scheduler.messages import KvCleared, KvEvents, KvRemoved, KvStored
+
+from .generated import common_pb2
+
+logger = logging.getLogger(__name__)
+
+HISTORY_BATCHES = 1024  # batches kept for replay
+SUBSCRIBER_QUEUE = 1024  # batches a subscriber may lag behind before it is dropped
+LOAD_CHECK_S = 0.1  # how often an idle stream looks for a load change
+HEARTBEAT_S = 1.0  # load_only heartbeat after this much silence ...
+SLOW_HEARTBEAT_S = 5.0  # ... or this much after two unchanged heartbeats
+UINT32_MAX = 2**32 - 1
+
+
+class CursorOutOfRange(Exception):
+    """A replay cursor the history cannot serve."""
+
+
+def to_proto_events(events: list, event_ids) -> list[common_pb2.KvCacheEvent]:
+    """Scheduler KV events -> proto events. Stored blocks that chain (each one's parent is
+    the previous block) share one KvBlocksStored; partial blocks are never published."""
+    out: list[common_pb2.KvCacheEvent] = []
+    run = None  # the KvBlocksStored being extended
+    run_tail = None  # hash of its last block
+    for ev in events:
+        if isinstance(ev, KvStored):
+            if ev.block_size <= 0 or len(ev.token_ids) != ev.block_size or ev.block_hash == ev.parent_hash:
+                logger.warning("dropping a malformed stored KV block (hash %d, %d tokens, block size %d)",
+                               ev.block_hash, len(ev.token_ids), ev.block_size)
+                run = None
+                continue
+            block = common_pb2.KvBlock(block_hash=ev.block_hash, token_ids=ev.token_ids, block_size=ev.block_size)
+            if run is not None and ev.parent_hash is not None and ev.parent_hash == run_tail:
+                run.blocks.append(block)
+            else:
+                stored = common_pb2.KvBlocksStored(blocks=[block])
+                if ev.parent_hash is not None:
+                    stored.parent_block_hash = ev.parent_hash
+                out.append(common_pb2.KvCacheEvent(event_id=next(event_ids), stored=stored))
+                run = out[-1].stored  # a live reference: later blocks append in place
+            run_tail = ev.block_hash
+            continue
+        run = None
+        if isinstance(ev, KvRemoved):
+            if ev.block_hashes:
+                removed = common_pb2.KvBlocksRemoved(block_hashes=ev.block_hashes)
+                out.append(common_pb2.KvCacheEvent(event_id=next(event_ids), removed=removed))
+        elif isinstance(ev, KvCleared):
+            out.append(common_pb2.KvCacheEvent(event_id=next(event_ids), cleared=common_pb2.KvCacheCleared()))
+    return out
+
+
+class _Subscriber:
+    __slots__ = ("queue", "overflowed")
+
+    def __init__(self, maxsize: int):
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize)
+        self.overflowed = False
+
+
+class _LoadRecords:
+    """EngineLoad records of one stream, from the client's latest load snapshot."""
+
+    def __init__(self, client):
+        self.client = client
+        self.sample = 0
+        self.last_key = None
+
+    def key(self) -> tuple:
+        """What counts as a load change (not age, not the throughput average)."""
+        s = self.client.liveness.load
+        return (s.num_running, s.num_waiting, s.num_waiting_uncached_tokens, s.num_used_tokens, s.max_total_num_tokens)
+
+    def changed(self) -> bool:
+        return self.key() != self.last_key
+
+    def record(self, load_only: bool, telemetry: bool) -> common_pb2.EngineLoad:
+        client = self.client
+        s = client.liveness.load
+        info = client.model_info or {}
+        total = s.max_total_num_tokens
+        self.sample += 1
+        self.last_key = self.key()
+        age_s = time.monotonic() - client.liveness.last_message if client.liveness.last_message else 0.0
+        load = common_pb2.EngineLoad(
+            running_requests=s.num_running,
+            waiting_requests=s.num_waiting,
+            waiting_uncached_tokens=min(s.num_waiting_uncached_tokens, UINT32_MAX),
+            token_usage=s.num_used_tokens / total if total else 0.0,
+            gen_throughput=s.gen_throughput,
+            max_running_requests=info.get("max_running_requests", 0),
+            age_ms=min(max(int(age_s * 1000), 0), UINT32_MAX),
+            sample=self.sample,
+            load_only=load_only,
+        )
+        if telemetry:
+            load.cache_hit_rate = s.cache_hit_rate
+            load.num_used_tokens = s.num_used_tokens
+            load.max_total_num_tokens = total
+            load.memory.CopyFrom(
+                common_pb2.EngineMemory(
+                    weight_gb=info.get("weight_gb", 0.0), kv_cache_gb=info.get("kv_cache_gb", 0.0), token_capacity=total
+                )
+            )
+            load.queues.CopyFrom(common_pb2.EngineQueues(waiting=s.num_waiting))
+            load.disaggregation.CopyFrom(common_pb2.EngineDisaggregation(mode="null"))
+        return load
+
+
+class KvEventHub:
+    def __init__(self, history: int = HISTORY_BATCHES, queue_size: int = SUBSCRIBER_QUEUE):
+        self.history: deque[common_pb2.KvEventBatch] = deque(maxlen=history)
+        self.queue_size = queue_size
+        self.last_seq = 0
+        self.subscribers: set[_Subscriber] = set()
+        self._event_ids = itertools.count(1)
+
+    @classmethod
+    def for_client(cls, client) -> "KvEventHub":
+        """The hub fed by ``client`` (created, and hooked to it, on first use)."""
+        hub = getattr(client, "kv_event_hub", None)
+        if hub is None:
+            hub = cls()
+            client.kv_event_hub = hub
+            client.kv_event_listener = hub.publish
+        return hub
+
+    # -- publisher side (called from the client's read loop) ----------------------------
+    def publish(self, msg: KvEvents) -> common_pb2.KvEventBatch | None:
+        events = to_proto_events(msg.events, self._event_ids)
+        if not events:
+            return None
+        self.last_seq += 1
+        batch = common_pb2.KvEventBatch(sequence_number=self.last_seq, timestamp=msg.timestamp, events=events)
+        self.history.append(batch)
+        for sub in list(self.subscribers):
+            try:
+                sub.queue.put_nowait(batch)
+            except asyncio.QueueFull:
+                sub.overflowed = True
+                self.subscribers.discard(sub)
+        return batch
+
+    # -- subscriber side ------------------------------------------------------------------
+    def subscribe(self, start: int) -> tuple[_Subscriber, list[common_pb2.KvEventBatch]]:
+        """Register a subscriber; returns it with the batches to replay first (seq > start)."""
+        replay: list[common_pb2.KvEventBatch] = []
+        if start:
+            if start > self.last_seq:
+                raise CursorOutOfRange(
+                    f"cursor {start} is beyond the last KV event batch {self.last_seq} "
+                    "(the server restarted?); resubscribe from 0"
+                )
+            oldest = self.history[0].sequence_number if self.history else self.last_seq + 1
+            if start < oldest - 1:
+                raise CursorOutOfRange(
+                    f"cursor {start} is older than the replay history (oldest batch {oldest}); resubscribe from 0"
+                )
+            replay = [b for b in self.history if b.sequence_number > start]
+        sub = _Subscriber(self.queue_size)
+        self.subscribers.add(sub)
+        return sub, replay
+
+    def unsubscribe(self, sub: _Subscriber) -> None:
+        self.subscribers.discard(sub)
+
+    async def stream(self, request, context, client):
+        """The KvEventBatch messages of one SubscribeKvEvents call."""
+        start = request.start_sequence_number
+        try:
+            sub, replay = self.subscribe(start)
+        except CursorOutOfRange as e:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
+        # Registered before the headers go out: a client that has them misses no batch.
+        try:
+            await context.send_initial_metadata(())
+        except BaseException:
+            self.unsubscribe(sub)
+            raise
+        logger.info("KV event subscriber joined (cursor %d, %d batch(es) to replay, %d subscriber(s))",
+                    start, len(replay), len(self.subscribers))
+        loads = _LoadRecords(client)
+        first = True
+        last_seq = start  # what load_only batches repeat; 0 until the stream's first batch
+        last_sent = time.monotonic()
+        unchanged_heartbeats = 0
+        try:
+            for batch in replay:
+                yield self._with_load(batch, loads.record(load_only=False, telemetry=first))
+                first = False
+                last_seq = batch.sequence_number
+                last_sent = time.monotonic()
+            while True:
+                if sub.overflowed:
+                    await context.abort(
+                        grpc.StatusCode.DATA_LOSS,
+                        f"subscriber fell more than {self.queue_size} KV event batches behind; resubscribe",
+                    )
+                if client.died.is_set():
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {client.dead_reason}")
+                try:
+                    batch = await asyncio.wait_for(sub.queue.get(), LOAD_CHECK_S)
+                except (TimeoutError, asyncio.TimeoutError):
+                    batch = None
+                now = time.monotonic()
+                if batch is not None:
+                    if sub.overflowed:
+                        continue  # report DATA_LOSS rather than a stream with a hole
+                    yield self._with_load(batch, loads.record(load_only=False, telemetry=first))
+                    first = False
+                    last_seq = batch.sequence_number
+                    last_sent, unchanged_heartbeats = now, 0
+                    continue
+                if last_seq == 0 and not request.load_records_before_first_batch:
+                    continue  # older subscribers get load records only with real batches
+                changed = loads.changed()
+                interval = SLOW_HEARTBEAT_S if unchanged_heartbeats >= 2 else HEARTBEAT_S
+                if not changed and now - last_sent < interval:
+                    continue
+                unchanged_heartbeats = 0 if changed else unchanged_heartbeats + 1
+                record = loads.record(load_only=True, telemetry=first or not changed)
+                first = False
+                yield common_pb2.KvEventBatch(sequence_number=last_seq, timestamp=time.time(), load=record)
+                last_sent = now
+        finally:
+            self.unsubscribe(sub)
+            logger.info("KV event subscriber left (%d subscriber(s))", len(self.subscribers))
+
+    @staticmethod
+    def _with_load(batch: common_pb2.KvEventBatch, load: common_pb2.EngineLoad) -> common_pb2.KvEventBatch:
+        out = common_pb2.KvEventBatch()
+        out.CopyFrom(batch)  # the stored batch is shared by every subscriber: never mutate it
+        out.load.CopyFrom(load)
+        return out
