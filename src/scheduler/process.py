@@ -80,7 +80,7 @@ def model_info(engine, config: EngineConfig) -> dict:
         "architectures": [mc.architecture],
         "max_total_num_tokens": engine.kv.capacity_tokens,
         "max_running_requests": config.max_running_requests,
-        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_num_batched_tokens": runner.max_num_batched_tokens,
         "block_size": config.block_size,
         "device": str(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."),
