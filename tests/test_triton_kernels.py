@@ -1,0 +1,217 @@
+"""Triton kernels (src/kernels/triton_attention.py, triton_ops.py) against the torch reference.
+
+Runs on CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set here before triton is
+imported), on small shapes; skipped when triton is not installed. Cases: a mixed batch in one
+launch (decodes, a prefill chunk behind a cached prefix, a fresh prefill, a padded dummy
+request), GQA with 4, 3 and 1 query heads per KV head, head_dim 64 and 128, block_size 16,
+fp32 (tight) and fp16 (loose) inputs, CUDA-graph-style padding (slot -1, seq_len 0).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels import attention as ref_attn  # noqa: E402
+from kernels import norm as ref_norm  # noqa: E402
+from kernels import rotary as ref_rotary  # noqa: E402
+from kernels import triton_attention, triton_ops  # noqa: E402
+
+BLOCK_SIZE = 16
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+def _batch(query_lens, seq_lens, num_blocks, gen):
+    """Random non-overlapping block tables (block 0 kept as the null block) and the flat
+    varlen tensors the Triton kernel takes."""
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables, i = [], 0
+    for s in seq_lens:
+        n = -(-s // BLOCK_SIZE)
+        tables.append(perm[i : i + n])
+        i += n
+    max_blocks = max(1, max(len(t) for t in tables))
+    bt = torch.zeros(len(tables), max_blocks + 1, dtype=torch.int32)  # +1: ragged width
+    for r, t in enumerate(tables):
+        bt[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+    return tables, bt, qsl, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+# Decodes (one near a block edge, one with a single key), a chunk behind a 29-token cached
+# prefix that spans several query tiles and blocks, a fresh prefill, a q_len 0 / seq_len 0 pad.
+MIXED_QLENS = [1, 1, 1, 19, 21, 0]
+MIXED_SEQLENS = [17, 1, 40, 48, 21, 0]
+
+
+def _run_step(num_heads, num_kv_heads, head_dim, dtype, block_m=None, tile_n=None, seed=0):
+    """One model step on both paths: store this step's K/V, then attend. Returns
+    (triton out, reference out, triton caches, reference caches, number of real rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    qlens, slens = MIXED_QLENS, MIXED_SEQLENS
+    num_blocks = 24
+    tables, bt, qsl, seq = _batch(qlens, slens, num_blocks, gen)
+    T = sum(qlens)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(T, num_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(T, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(T, num_kv_heads, head_dim, generator=gen).to(dtype)
+    real = [i for i, n in enumerate(qlens) if n]  # the reference has no notion of a q_len 0 pad
+    meta = ref_attn.AttentionMetadata.build(
+        [qlens[i] for i in real], [slens[i] for i in real], [tables[i] for i in real], BLOCK_SIZE
+    )
+    scale = head_dim**-0.5
+
+    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    ref_attn.store_kv(k, v, kc_ref, vc_ref, meta.slot_mapping)
+    ref = ref_attn.paged_attention(q.float(), kc_ref.float(), vc_ref.float(), meta, scale)
+
+    kc, vc = k_cache.clone(), v_cache.clone()
+    triton_ops.store_kv(k, v, kc, vc, meta.slot_mapping)
+    out = triton_attention.unified_attention(q, kc, vc, bt, qsl, seq, scale, block_m=block_m, tile_n=tile_n)
+    return out, ref, (kc, vc), (kc_ref, vc_ref), T
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    [(8, 2, 64), (4, 4, 128), (6, 2, 64), (4, 1, 128)],
+    ids=["gqa4-d64", "mha-d128", "gqa3-d64", "gqa4-d128"],
+)
+def test_mixed_batch_fp32(num_heads, num_kv_heads, head_dim):
+    out, ref, caches, ref_caches, T = _run_step(num_heads, num_kv_heads, head_dim, torch.float32)
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+    assert out.shape == (T, num_heads, head_dim) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("block_m,tile_n", [(64, 16), (16, 32), (32, 64)])
+def test_mixed_batch_tilings(block_m, tile_n):
+    """Bigger query tiles (several tokens x GQA heads per tile) and key tiles spanning blocks."""
+    out, ref, _, _, _ = _run_step(8, 2, 64, torch.float32, block_m=block_m, tile_n=tile_n, seed=1)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_mixed_batch_fp16():
+    out, ref, caches, ref_caches, _ = _run_step(8, 2, 64, torch.float16, seed=2)
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref, **TOL[torch.float16])
+
+
+def test_padded_decode_batch():
+    """CUDA-graph replay shape: real decodes then pads with a dummy token, slot -1 and
+    seq_len 0. Pads must not touch the cache and must come out as zeros (never NaN)."""
+    gen = torch.Generator().manual_seed(3)
+    H, KVH, D = 8, 2, 64
+    slens = [5, 30, 0, 0]
+    qlens = [1, 1, 1, 1]
+    tables, bt, qsl, seq = _batch(qlens, slens, 8, gen)
+    k_cache = torch.randn(8, BLOCK_SIZE, KVH, D, generator=gen)
+    v_cache = torch.randn(8, BLOCK_SIZE, KVH, D, generator=gen)
+    q = torch.randn(4, H, D, generator=gen)
+    k = torch.randn(4, KVH, D, generator=gen)
+    v = torch.randn(4, KVH, D, generator=gen)
+    meta = ref_attn.AttentionMetadata.build(qlens[:2], slens[:2], tables[:2], BLOCK_SIZE)
+    slots = torch.cat([meta.slot_mapping, torch.full((2,), -1, dtype=torch.int64)])
+
+    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    ref_attn.store_kv(k[:2], v[:2], kc_ref, vc_ref, meta.slot_mapping)
+    ref = ref_attn.paged_attention(q[:2], kc_ref, vc_ref, meta, D**-0.5)
+
+    kc, vc = k_cache.clone(), v_cache.clone()
+    triton_ops.store_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    out = torch.full_like(q, float("nan"))
+    triton_attention.unified_attention(q, kc, vc, bt, qsl, seq, D**-0.5, out=out)
+    torch.testing.assert_close(out[:2], ref, **TOL[torch.float32])
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+
+
+def test_trailing_unused_query_rows():
+    """T larger than query_start_loc[-1] (a padded token buffer): extra rows are left alone."""
+    gen = torch.Generator().manual_seed(4)
+    tables, bt, qsl, seq = _batch([3], [3], 4, gen)
+    kc = torch.randn(4, BLOCK_SIZE, 1, 64, generator=gen)
+    vc = torch.randn(4, BLOCK_SIZE, 1, 64, generator=gen)
+    q = torch.randn(8, 2, 64, generator=gen)
+    meta = ref_attn.AttentionMetadata.build([3], [3], tables, BLOCK_SIZE)
+    ref = ref_attn.paged_attention(q[:3], kc, vc, meta, 0.125)
+    out = torch.full_like(q, 7.0)
+    triton_attention.unified_attention(q, kc, vc, bt, qsl, seq, 0.125, out=out)
+    torch.testing.assert_close(out[:3], ref, **TOL[torch.float32])
+    assert torch.all(out[3:] == 7.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kv(dtype):
+    gen = torch.Generator().manual_seed(5)
+    kvh, d, T = 2, 128, 9
+    k_cache = torch.randn(6, BLOCK_SIZE, kvh, d, generator=gen).to(dtype)
+    v_cache = torch.randn(6, BLOCK_SIZE, kvh, d, generator=gen).to(dtype)
+    k = torch.randn(T, kvh, d, generator=gen).to(dtype)
+    v = torch.randn(T, kvh, d, generator=gen).to(dtype)
+    slots = torch.randperm(6 * BLOCK_SIZE, generator=gen)[:T]
+    slots[[2, 7]] = -1
+    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    ref_attn.store_kv(k, v, kc_ref, vc_ref, slots)
+    triton_ops.store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hidden", [64, 96])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, hidden, with_residual):
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(5, hidden, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    res = torch.randn(5, hidden, generator=gen).to(dtype) if with_residual else None
+    ref = ref_norm.rms_norm(x, w, 1e-6, res)
+    got = triton_ops.rms_norm(x, w, 1e-6, res)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    if with_residual:
+        torch.testing.assert_close(got[1], ref[1], atol=0, rtol=0)  # the sum is exact
+        ref, got = ref[0], got[0]
+    assert got.dtype == ref.dtype
+    torch.testing.assert_close(got, ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary(dtype, head_dim):
+    gen = torch.Generator().manual_seed(7)
+    T = 6
+    table = ref_rotary.rope_cos_sin(head_dim, 64, 10000.0)
+    pos = torch.tensor([0, 1, 17, 5, 63, 40])
+    cs = table[pos]
+    cos, sin = cs[:, : head_dim // 2], cs[:, head_dim // 2 :]  # strided row views, as the runner does
+    q = torch.randn(T, 8, head_dim, generator=gen).to(dtype)
+    k = torch.randn(T, 2, head_dim, generator=gen).to(dtype)
+    rq, rk = ref_rotary.apply_rotary(q, k, cos, sin)
+    gq, gk = triton_ops.apply_rotary(q, k, cos, sin)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(gq, rq, **tol)
+    torch.testing.assert_close(gk, rk, **tol)
+
+
+def test_import_without_triton_is_safe():
+    """The modules import triton only when a kernel is first called."""
+    import ast
+    import inspect
+
+    for mod in (triton_attention, triton_ops):
+        tree = ast.parse(inspect.getsource(mod))
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = {a.name.split(".")[0] for n in top for a in n.names} | {
+            (n.module or "").split(".")[0] for n in top if isinstance(n, ast.ImportFrom)
+        }
+        assert "triton" not in names
