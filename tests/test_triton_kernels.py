@@ -55,7 +55,7 @@ MIXED_QLENS = [1, 1, 1, 19, 21, 0]
 MIXED_SEQLENS = [17, 1, 40, 48, 21, 0]
 
 
-def _run_step(num_heads, num_kv_heads, head_dim, dtype, block_m=None, tile_n=None, seed=0):
+def _run_step(num_heads, num_kv_heads, head_dim, dtype, block_m=None, tile_n=None, seed=0, **kw):
     """One model step on both paths: store this step's K/V, then attend. Returns
     (triton out, reference out, triton caches, reference caches, number of real rows)."""
     gen = torch.Generator().manual_seed(seed)
@@ -81,7 +81,7 @@ def _run_step(num_heads, num_kv_heads, head_dim, dtype, block_m=None, tile_n=Non
 
     kc, vc = k_cache.clone(), v_cache.clone()
     triton_ops.store_kv(k, v, kc, vc, meta.slot_mapping)
-    out = triton_attention.unified_attention(q, kc, vc, bt, qsl, seq, scale, block_m=block_m, tile_n=tile_n)
+    out = triton_attention.unified_attention(q, kc, vc, bt, qsl, seq, scale, block_m=block_m, tile_n=tile_n, **kw)
     return out, ref, (kc, vc), (kc_ref, vc_ref), T
 
 
@@ -102,6 +102,18 @@ def test_mixed_batch_tilings(block_m, tile_n):
     """Bigger query tiles (several tokens x GQA heads per tile) and key tiles spanning blocks."""
     out, ref, _, _, _ = _run_step(8, 2, 64, torch.float32, block_m=block_m, tile_n=tile_n, seed=1)
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_mixed_batch_prefill_heuristic():
+    """max_query_len switches to 64-row query tiles and 32-key tiles."""
+    out, ref, _, _, _ = _run_step(4, 4, 64, torch.float32, seed=8, max_query_len=max(MIXED_QLENS))
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_varlen_metadata_matches_test_builder():
+    bt, qsl, seq = triton_attention.varlen_metadata([1, 3, 0], [5, 20, 0], [[4], [2, 7], []])
+    assert bt.dtype == qsl.dtype == seq.dtype == torch.int32
+    assert bt.tolist() == [[4, 0], [2, 7], [0, 0]] and qsl.tolist() == [0, 1, 4, 4] and seq.tolist() == [5, 20, 0]
 
 
 def test_mixed_batch_fp16():
@@ -248,11 +260,11 @@ def compile(fn, types, consts):
 
 attn = ta._kernels()
 kv, rms, rot = to._kernels()
-for dt, g, bm in (("bf16", 4, 16), ("fp16", 1, 64), ("fp32", 3, 16)):
+for dt, g, bm, tn in (("bf16", 4, 16, 16), ("bf16", 4, 64, 32), ("fp16", 1, 64, 32), ("fp32", 3, 16, 16)):
     g_pad, bq, bm = ta.tile_shape(g * 2, 2, bm)
     types = dict(q_ptr="*" + dt, k_cache_ptr="*" + dt, v_cache_ptr="*" + dt, out_ptr="*" + dt,
                  block_tables_ptr="*i32", query_start_loc_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32")
-    k = compile(attn, types, dict(BLOCK_SIZE=16, G=g, G_PAD=g_pad, BLOCK_Q=bq, BLOCK_M=bm, TILE_N=16,
+    k = compile(attn, types, dict(BLOCK_SIZE=16, G=g, G_PAD=g_pad, BLOCK_Q=bq, BLOCK_M=bm, TILE_N=tn,
                                   HEAD_DIM=128, HEAD_PAD=128, DOT_PRECISION="ieee" if dt == "fp32" else "tf32"))
     if dt != "fp32":
         assert "wgmma" in k.asm["ptx"] or "mma.sync" in k.asm["ptx"], "attention dots must use tensor cores"

@@ -175,6 +175,22 @@ def num_query_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
     return num_tokens // block_q + num_seqs
 
 
+def varlen_metadata(
+    query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(block_tables [B, max_blocks] int32, query_start_loc [B+1] int32, seq_lens [B] int32)``
+    from host lists: a convenience for tests and first integration (the runner should keep
+    persistent pinned buffers instead). Rows are zero-padded; pads use ``q_len``/``seq_len`` 0."""
+    width = max(1, max((len(t) for t in block_tables), default=0))
+    table = torch.zeros(len(block_tables), width, dtype=torch.int32)
+    for i, row in enumerate(block_tables):
+        table[i, : len(row)] = torch.as_tensor(row, dtype=torch.int32)
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.as_tensor(query_lens, dtype=torch.int64), 0).to(torch.int32)
+    seq = torch.as_tensor(seq_lens, dtype=torch.int32)
+    return table.to(device), qsl.to(device), seq.to(device)
+
+
 def unified_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -186,6 +202,7 @@ def unified_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     tile_n: int | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Paged attention of ``q [T, H, D]`` over the cache; see the module docstring.
 
@@ -194,6 +211,9 @@ def unified_attention(
     rounded up to a power of two (at least 16).
     The number of requests ``B`` is ``seq_lens.shape[0]``; ``query_start_loc`` must have
     ``B + 1`` entries whose last is at most ``T``.
+    ``max_query_len`` (a host int the runner already knows; never read from the device): when
+    given and ``block_m`` is not, prefill-heavy steps get 64-row tiles and 32-key tiles,
+    decode-only steps (max_query_len 1) keep 16 rows.
     """
     T, H, D = q.shape
     _, block_size, KVH, Dk = k_cache.shape
@@ -207,6 +227,8 @@ def unified_attention(
     if T == 0 or B == 0:
         return out
     g = H // KVH
+    if block_m is None and max_query_len is not None and max_query_len * _next_pow2(g) >= 64:
+        block_m, tile_n = 64, tile_n or max(32, block_size)
     g_pad, block_q, bm = tile_shape(H, KVH, block_m)
     tile_n = max(16, _next_pow2(tile_n or block_size))
     kernel = _kernels()
