@@ -1,68 +1,316 @@
 """Batched token sampling (torch path, any device).
 
 Every row carries its own parameters, so requests with different settings share a
-step. Greedy rows take the argmax; the others are temperature-scaled, top-k/top-p
-filtered, and drawn with the exponential race (argmax of p / Exp(1)), which needs no
-host sync.
+step; nothing here loops over rows in Python except the seeded rows' uniform draws.
+
+Order of the transforms (as vLLM / SGLang): penalties (repetition, then frequency and
+presence), logit bias, the min_new_tokens stop mask (and a grammar's token bitmask).
+Greedy rows then take the argmax; the others are temperature-scaled and sampled from
+the distribution filtered by top-k, top-p and min-p with SGLang's semantics: a token
+stays if fewer than k tokens are more likely, the probability mass of the tokens more
+likely than it is below top_p (of the whole distribution), and its probability is at
+least min_p times the largest; what stays is renormalised.
+
+No sort: a row draws a token by inverse CDF (one uniform per row, a cumulative sum in
+token order) and *accepts* it when it passes the top-k / top-p test, which needs only
+the count and mass of more likely tokens. A rejected token is less likely than every
+token of the kept set, so the row redraws among the tokens more likely than it; the
+kept set is an upper set of the distribution, so the accepted draw follows the
+renormalised kept distribution exactly (the FlashInfer rejection scheme). The first draw
+is accepted with probability >= top_p, so a row rarely needs more than one or two rounds.
+
+Seeded rows take their uniforms from their own (CPU) generator, one per round, and their
+rounds only depend on their own logits: a seeded request samples the same tokens
+whatever else shares its batch, on any device.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+MAX_REJECTION_ROUNDS = 32  # then a still-rejected row takes its most likely token (always kept)
+MIN_TEMPERATURE = 1e-5  # temperatures below this sample like greedy (dividing by them overflows)
+
+
+@dataclass
+class Penalties:
+    """Repetition / frequency / presence penalties as sparse indices into the batch's
+    flattened ``[N * V]`` logits (row * V + token), built from the rows' token ids.
+
+    ``rep_index`` holds every prompt and output token of the rows with a repetition
+    penalty (duplicates allowed: all of them write the same value), ``out_index`` every
+    output token of the rows with a frequency or presence penalty (each occurrence adds
+    the frequency penalty once; the presence penalty is subtracted once per distinct
+    token, again through identical writes).
+    """
+
+    rep_index: torch.Tensor | None = None  # [T1] int64
+    rep_factor: torch.Tensor | None = None  # [T1] float
+    out_index: torch.Tensor | None = None  # [T2] int64
+    frequency: torch.Tensor | None = None  # [T2] float
+    presence: torch.Tensor | None = None  # [T2] float
+
+    @staticmethod
+    def build(
+        rows: list[int],
+        repetition: list[float],
+        frequency: list[float],
+        presence: list[float],
+        output_tokens: list[torch.Tensor],
+        prompt_tokens: list[torch.Tensor],
+        vocab: int,
+        device,
+    ) -> "Penalties":
+        """Per penalised batch row j: its parameters and CPU int64 token ids. One
+        transfer per index tensor; no per-row work on the device."""
+        pen = Penalties()
+        rep = [j for j, r in enumerate(repetition) if r != 1.0]
+        if rep:
+            toks = [torch.cat([prompt_tokens[j], output_tokens[j]]) for j in rep]
+            pen.rep_index, (pen.rep_factor,) = _flat_index(
+                [rows[j] for j in rep], toks, vocab, device, [repetition[j] for j in rep]
+            )
+        fp = [j for j in range(len(rows)) if frequency[j] != 0.0 or presence[j] != 0.0]
+        if fp:
+            pen.out_index, (pen.frequency, pen.presence) = _flat_index(
+                [rows[j] for j in fp],
+                [output_tokens[j] for j in fp],
+                vocab,
+                device,
+                [frequency[j] for j in fp],
+                [presence[j] for j in fp],
+            )
+        return pen
+
+
+def _flat_index(rows: list[int], tokens: list[torch.Tensor], vocab: int, device, *per_row: list[float]):
+    """(row * vocab + token for every token of every row, [per-row values repeated per
+    token]) on ``device``."""
+    lengths = torch.tensor([t.numel() for t in tokens], dtype=torch.int64)
+    ids = torch.cat([t.to(dtype=torch.int64) for t in tokens]) if tokens else torch.empty(0, dtype=torch.int64)
+    index = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64) * vocab, lengths) + ids
+    values = [torch.repeat_interleave(torch.tensor(v, dtype=torch.float32), lengths).to(device) for v in per_row]
+    return index.to(device), values
 
 
 @dataclass
 class SamplingTensors:
-    temperature: torch.Tensor  # [N] float, <= 0 means greedy
-    top_p: torch.Tensor  # [N] float in (0, 1]
-    top_k: torch.Tensor  # [N] int, <= 0 means off
-    all_greedy: bool
-    any_top_p: bool
-    any_top_k: bool
+    temperature: torch.Tensor  # [R] float, of the sampling (non-greedy) rows
+    top_p: torch.Tensor  # [R] float in (0, 1]
+    top_k: torch.Tensor  # [R] int64, vocab size when off
+    min_p: torch.Tensor | None = None  # [R] float in [0, 1]; None when no row uses it
+    all_greedy: bool = False
+    any_top_k: bool = False
+    any_top_p: bool = False
+    penalties: Penalties | None = None
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, values
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, token ids -> -inf
+    allowed_bitmask: torch.Tensor | None = None  # [N, ceil(V/32)] int32 (grammars); unconstrained rows all -1
+    # (row among the sampling rows, its CPU generator): seeded rows draw their own uniforms
+    seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)
+    random_rows: torch.Tensor | None = None  # batch rows that sample (None: all of them)
+    greedy_rows: torch.Tensor | None = None  # the other rows, when random_rows is set
+    num_rows: int = 0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Argmax of the raw logits is the whole job."""
+        return (
+            self.all_greedy
+            and self.penalties is None
+            and self.bias is None
+            and self.banned is None
+            and self.allowed_bitmask is None
+        )
 
     @staticmethod
-    def build(temperature: list[float], top_p: list[float], top_k: list[int], device) -> "SamplingTensors":
+    def build(
+        temperature: list[float],
+        top_p: list[float],
+        top_k: list[int],
+        device,
+        min_p: list[float] | None = None,
+        seeded: list[tuple[int, torch.Generator]] = (),
+        vocab: int = 2**31 - 1,
+        **extra,
+    ) -> "SamplingTensors":
+        """Per-row parameters as lists (temperature <= 0 or top_k 1: greedy; top_k <= 0:
+        off); ``seeded``: (batch row, CPU generator); ``extra``: penalties / bias / banned /
+        allowed_bitmask."""
+        n = len(temperature)
+        rows = [i for i in range(n) if temperature[i] >= MIN_TEMPERATURE and top_k[i] != 1]
+        position = {r: j for j, r in enumerate(rows)}
+        ks = [top_k[i] if 0 < top_k[i] < vocab else vocab for i in rows]
+        ps = [top_p[i] for i in rows]
+        any_min_p = min_p is not None and any(min_p[i] > 0.0 for i in rows)
         return SamplingTensors(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            all_greedy=all(t <= 0 for t in temperature),
-            any_top_p=any(p < 1.0 for p in top_p),
-            any_top_k=any(k > 0 for k in top_k),
+            temperature=torch.tensor([temperature[i] for i in rows], dtype=torch.float32, device=device),
+            top_p=torch.tensor(ps, dtype=torch.float32, device=device),
+            top_k=torch.tensor(ks, dtype=torch.int64, device=device),
+            min_p=torch.tensor([min_p[i] for i in rows], dtype=torch.float32, device=device) if any_min_p else None,
+            all_greedy=not rows,
+            any_top_k=any(k < vocab for k in ks),
+            any_top_p=any(p < 1.0 for p in ps),
+            random_rows=torch.tensor(rows, dtype=torch.int64, device=device) if len(rows) < n else None,
+            greedy_rows=(
+                torch.tensor(sorted(set(range(n)) - set(rows)), dtype=torch.int64, device=device)
+                if len(rows) < n
+                else None
+            ),
+            seeded=[(position[r], g) for r, g in seeded if r in position],
+            num_rows=len(rows),
+            **extra,
         )
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask (to -inf) everything outside each row's top-k and top-p nucleus."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-        kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        # Keep a token if the mass strictly before it is below p (the top token always stays).
-        mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+# -- logit transforms (in place on float32 [N, V]) -------------------------------------------
+
+
+def apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
+    """Repetition (tokens seen in prompt or output: positive logits / r, negative * r),
+    then frequency (- f * count) and presence (- p once) over the output tokens."""
+    flat = logits.view(-1)
+    if pen.rep_index is not None:
+        v = flat[pen.rep_index]
+        flat[pen.rep_index] = torch.where(v > 0, v / pen.rep_factor, v * pen.rep_factor)
+    if pen.out_index is not None:
+        flat.index_add_(0, pen.out_index, -pen.frequency)
+        flat[pen.out_index] = flat[pen.out_index] - pen.presence
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Tokens whose bit is 0 in the int32 bitmask [N, ceil(V/32)] go to -inf."""
+    vocab = logits.shape[1]
+    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().view(bitmask.shape[0], -1)[:, :vocab]
+    logits.masked_fill_(~allowed, float("-inf"))
+
+
+def _uniforms(n: int, device, generator, seeded: list[tuple[int, torch.Generator]], rows=None) -> torch.Tensor:
+    """One U[0, 1) per row; seeded rows (by their index in the full sampling set, mapped
+    through ``rows`` when only some rows draw) from their own generators."""
+    u = torch.rand(n, device=device, generator=generator)
+    if seeded:
+        if rows is None:
+            picks = seeded
+        else:
+            where = {r: j for j, r in enumerate(rows)}
+            picks = [(where[i], g) for i, g in seeded if i in where]
+        if picks:
+            idx = torch.tensor([j for j, _ in picks], dtype=torch.int64)
+            vals = torch.cat([torch.rand(1, generator=g) for _, g in picks])
+            u[idx.to(device)] = vals.to(device)
+    return u
+
+
+def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF in token order: the token whose cumulative-weight interval holds u * total."""
+    cdf = weights.cumsum(dim=-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=weights.shape[1] - 1)
+
+
+def sample_filtered(
+    weights: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_w: torch.Tensor | None,
+    generator: torch.Generator | None,
+    seeded: list[tuple[int, torch.Generator]],
+) -> torch.Tensor:
+    """Sample rows of unnormalised ``weights [R, V]`` (>= 0, the row maximum 1) keeping
+    only tokens with fewer than ``top_k`` more likely ones, less than ``top_p`` of the mass
+    more likely than them, and a weight of at least ``min_w``; by rejection (module doc).
+    ``None``: that filter is off for every row."""
+    n = weights.shape[0]
+    tokens = _draw(weights, _uniforms(n, weights.device, generator, seeded))
+    if top_k is None and top_p is None and min_w is None:
+        return tokens
+    p_mass = top_p * weights.sum(dim=-1) if top_p is not None else None
+    active = torch.arange(n, device=weights.device)
+    w = weights
+    for _ in range(MAX_REJECTION_ROUNDS):
+        w_tok = w.gather(1, tokens[active].unsqueeze(1))
+        rejected = w_tok.squeeze(1) < min_w if min_w is not None else torch.zeros_like(active, dtype=torch.bool)
+        above = None
+        if top_k is not None or top_p is not None:
+            excess = (w - w_tok).clamp_(min=0.0)  # > 0 exactly for the tokens more likely than the draw
+            surplus = excess.sum(dim=-1) if p_mass is not None else None
+            above = excess.sign_()  # 1.0 where more likely
+            count = above.sum(dim=-1)
+            if top_k is not None:
+                rejected |= count >= top_k
+            if p_mass is not None:
+                rejected |= surplus + w_tok.squeeze(1) * count >= p_mass
+        if not bool(rejected.any()):
+            return tokens
+        # redraw the rejected rows among the tokens more likely than their rejected one
+        keep = rejected.nonzero().squeeze(1)
+        active = active[keep]
+        w = w[keep] * (above[keep] if above is not None else (w[keep] > w_tok[keep]))
+        top_k = top_k[keep] if top_k is not None else None
+        p_mass = p_mass[keep] if p_mass is not None else None
+        min_w = min_w[keep] if min_w is not None else None
+        rows = active.tolist()
+        tokens[active] = _draw(w, _uniforms(len(rows), weights.device, generator, seeded, rows))
+    # still rejected after every round: the most likely token always passes the filters
+    tokens[active] = argmax_rows(w)
+    return tokens
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's maximum (the first on ties); max(dim) beats argmax on CPU."""
+    return x.max(dim=-1).indices
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Pick one token per row of ``logits [N, vocab]``; returns int64 ``[N]``."""
-    greedy_tokens = logits.argmax(dim=-1)
+    """Pick one token per row of float32 ``logits [N, vocab]`` (modified in place);
+    returns int64 ``[N]``."""
+    if params.penalties is not None:
+        apply_penalties(logits, params.penalties)
+    if params.bias is not None:
+        rows, cols, vals = params.bias
+        logits.index_put_((rows, cols), vals, accumulate=True)
+    if params.banned is not None:
+        rows, cols = params.banned
+        logits.index_put_((rows, cols), torch.tensor(float("-inf"), device=logits.device))
+    if params.allowed_bitmask is not None:
+        apply_bitmask(logits, params.allowed_bitmask)
     if params.all_greedy:
-        return greedy_tokens
-    is_greedy = params.temperature <= 0
-    temperature = torch.where(is_greedy, 1.0, params.temperature)
-    scaled = logits.float() / temperature.unsqueeze(1)
-    if params.any_top_k or params.any_top_p:
-        scaled = apply_top_k_top_p(
-            scaled, params.top_k if params.any_top_k else None, params.top_p if params.any_top_p else None
-        )
-    probs = scaled.softmax(dim=-1)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(is_greedy, greedy_tokens, sampled)
+        return argmax_rows(logits)
+
+    rows_idx = params.random_rows
+    sub = logits.index_select(0, rows_idx) if rows_idx is not None else logits
+    # weights relative to the row's most likely token (which therefore weighs 1)
+    weights = sub.sub_(sub.amax(dim=-1, keepdim=True)).div_(params.temperature.unsqueeze(1)).exp_()
+    sampled = sample_filtered(
+        weights,
+        params.top_k if params.any_top_k else None,
+        params.top_p if params.any_top_p else None,
+        params.min_p,
+        generator,
+        params.seeded,
+    )
+    if rows_idx is None:
+        return sampled
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    tokens[params.greedy_rows] = argmax_rows(logits.index_select(0, params.greedy_rows))
+    return tokens.index_copy_(0, rows_idx, sampled)
+
+
+# -- logprobs ----------------------------------------------------------------------------------
+
+
+def token_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, top_n: int, ids: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """From log-softmaxed rows ``[M, V]``: the logprob of ``token_ids [M]``, the ``top_n``
+    best (values, ids) and the logprobs at ``ids [M, K]`` (padded per row)."""
+    chosen = logprobs.gather(1, token_ids.view(-1, 1)).squeeze(1)
+    top_v = top_i = None
+    if top_n > 0:
+        top_v, top_i = logprobs.topk(min(top_n, logprobs.shape[1]), dim=-1)
+    ids_v = logprobs.gather(1, ids) if ids is not None else None
+    return chosen, top_v, top_i, ids_v

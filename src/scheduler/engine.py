@@ -62,7 +62,17 @@ class Engine:
     # -- requests ----------------------------------------------------------------------
     def add_request(self, msg: AddRequest) -> Request:
         """Queue a request; raises AdmissionError for one that can never run."""
+        checker = None
+        if msg.sampling.stop:
+            from .stop_strings import StopStringChecker, load_tokenizer
+
+            try:
+                tokenizer = load_tokenizer(self.runner.model_path)
+            except Exception as e:  # noqa: BLE001  (no tokenizer: refuse rather than ignore the stops)
+                raise AdmissionError("FAILED_PRECONDITION", f"stop strings need the tokenizer: {e}") from e
+            checker = StopStringChecker(tokenizer, msg.sampling.stop, msg.input_ids, trim=not msg.sampling.no_stop_trim)
         req = self.scheduler.add_request(msg)
+        req.stop_checker = checker
         self.stats.num_prompt_tokens += req.num_prompt_tokens
         return req
 
@@ -87,19 +97,28 @@ class Engine:
         return [self._output_of(req, force=True) for req in self.scheduler.take_finished()]
 
     def _output_of(self, req: Request, force: bool = False) -> RequestOutput | None:
-        new = req.output_ids[req.num_sent_tokens :]
-        if not new and not force:
+        start, end = req.num_sent_tokens, req.num_sendable_tokens
+        if end <= start and not force:
             return None
-        req.num_sent_tokens = req.num_output_tokens
-        return RequestOutput(
+        new = req.visible_output_ids[start:end]
+        req.num_sent_tokens = max(start, end)
+        out = RequestOutput(
             request_id=req.request_id,
             new_token_ids=new,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
-            num_output_tokens=req.num_output_tokens,
+            num_output_tokens=req.num_sent_tokens,
             finish_reason=req.finish_reason,
             matched_token_id=req.matched_token_id,
+            matched_stop_str=req.matched_stop_str,
         )
+        if req.output_logprobs is not None and new:
+            out.output_logprobs = req.output_logprobs.rows(start, start + len(new), new)
+        if req.input_logprobs is not None and not req.input_logprobs_sent and not req.needs_input_logprobs:
+            if new or req.is_finished:
+                req.input_logprobs_sent = True
+                out.input_logprobs = req.input_logprobs.rows(0, len(req.input_logprobs.values))
+        return out
 
     def _record(self, batch, num_sampled: int) -> None:
         s = self.stats

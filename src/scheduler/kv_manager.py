@@ -34,7 +34,10 @@ class KVCacheManager:
         if not self.pool.enable_prefix_caching:
             return []
         self._update_digests(req, req.num_tokens - 1)
-        return self.pool.lookup(req.block_digests[: (req.num_tokens - 1) // self.block_size])
+        limit = req.num_tokens - 1
+        if req.prefix_cache_limit is not None:  # prompt logprobs need those positions' logits
+            limit = min(limit, req.prefix_cache_limit)
+        return self.pool.lookup(req.block_digests[: limit // self.block_size])
 
     def can_admit(self, req: Request, cached: list[int], num_new_tokens: int) -> bool:
         needed = cdiv(len(cached) * self.block_size + num_new_tokens, self.block_size) - len(cached)

@@ -29,11 +29,28 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     min_new_tokens: int = 0
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = None  # custom_params "seed": reproducible sampling for this request
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit before sampling
+    stop: list[str] = []  # stop strings (matched on the detokenised output)
+    no_stop_trim: bool = False  # keep the matched stop string's tokens in the output
+    # Logprobs (GenerateRequest.return_logprob & co.): of the raw logits, before any
+    # sampling transform. logprob_start_len >= 0 also asks for prompt logprobs from there.
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] = []
+    logprob_start_len: int = -1
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
 
 
 class AddRequest(msgspec.Struct, tag=True):
@@ -58,6 +75,22 @@ class ControlRequest(msgspec.Struct, tag=True):
     args: dict[str, Any] = {}
 
 
+class LogprobRows(msgspec.Struct, omit_defaults=True):
+    """Logprobs of consecutive positions: one entry per token of ``token_ids``.
+
+    ``values[i]`` is the logprob of ``token_ids[i]`` (None only for the first prompt
+    token, which has no context); ``top_values``/``top_ids`` the ``top_logprobs_num`` best
+    alternatives per position; ``ids_values`` the logprobs of the request's
+    ``token_ids_logprob`` per position (output only).
+    """
+
+    values: list[float | None]
+    token_ids: list[int]
+    top_values: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    ids_values: list[list[float]] = []
+
+
 class RequestOutput(msgspec.Struct, omit_defaults=True):
     """What one request produced in one step."""
 
@@ -68,6 +101,9 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
     num_output_tokens: int
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     matched_token_id: int | None = None
+    matched_stop_str: str | None = None
+    output_logprobs: LogprobRows | None = None  # rows for new_token_ids (return_logprob)
+    input_logprobs: LogprobRows | None = None  # the prompt's, once, with the first tokens
     error: str | None = None  # set when the scheduler refused the request
     error_code: str | None = None  # gRPC status name for `error`
 

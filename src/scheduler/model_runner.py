@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import AttentionMetadata
-from kernels.sampling import SamplingTensors, sample
 
 from .config import EngineConfig, parse_memory_size
 from .device import free_memory_bytes, resolve_device, resolve_dtype, synchronize
 from .model_config import ModelConfig
 from .model_source import resolve_model
 from .models import build_model
+from .sampling_batch import BatchSampler
 from .scheduler import ScheduledBatch
 from .weights import load_checkpoint
 
@@ -79,6 +79,7 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
+        self.sampler = BatchSampler(self.model, self.device, self.generator, self.model_config.vocab_size)
 
     # -- KV cache --------------------------------------------------------------------
     def _bytes_per_token(self) -> int:
@@ -140,14 +141,8 @@ class ModelRunner:
         pos = torch.cat([torch.arange(a, b) for a, b in positions]).to(dev)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, dev)
         hidden = self.model(ids, pos, self.kv_caches, meta)
-        if not sample_rows:
-            return []
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        params = SamplingTensors.build(
-            [s.temperature for s in samplers], [s.top_p for s in samplers], [s.top_k for s in samplers], dev
-        )
-        tokens = sample(logits.float(), params, self.generator)
-        return tokens.tolist()
+        # LM head on the sampling rows (and prompt-logprob rows), sampling, logprobs.
+        return self.sampler.run(batch.requests, batch.num_new_tokens, hidden, sample_rows)
 
     def synchronize(self) -> None:
         synchronize(self.device)

@@ -9,13 +9,42 @@ from __future__ import annotations
 
 import enum
 
-from .messages import SamplingParams
+from .messages import LogprobRows, SamplingParams
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class LogprobLists:
+    """Accumulated logprob rows (host lists), one entry per position."""
+
+    __slots__ = ("values", "token_ids", "top_values", "top_ids", "ids_values")
+
+    def __init__(self, token_ids: list[int] | None = None):
+        self.values: list[float | None] = []
+        self.token_ids: list[int] = token_ids if token_ids is not None else []  # input: preset
+        self.top_values: list[list[float]] = []
+        self.top_ids: list[list[int]] = []
+        self.ids_values: list[list[float]] = []
+
+    def append(self, value, top_values, top_ids, ids_values) -> None:
+        self.values.append(value)
+        self.top_values.append(top_values)
+        self.top_ids.append(top_ids)
+        self.ids_values.append(ids_values)
+
+    def rows(self, start: int, end: int, token_ids: list[int] | None = None) -> LogprobRows:
+        """Positions [start, end) as a message (empty top/ids columns left out)."""
+        return LogprobRows(
+            values=self.values[start:end],
+            token_ids=token_ids if token_ids is not None else self.token_ids[start:end],
+            top_values=self.top_values[start:end] if any(self.top_values[start:end]) else [],
+            top_ids=self.top_ids[start:end] if any(self.top_ids[start:end]) else [],
+            ids_values=self.ids_values[start:end] if any(self.ids_values[start:end]) else [],
+        )
 
 
 class Request:
@@ -49,6 +78,23 @@ class Request:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.matched_token_id: int | None = None
+        self.matched_stop_str: str | None = None
+        self.num_visible_outputs: int | None = None  # set when a matched stop string is trimmed
+        self.stop_checker = None  # StopStringChecker, attached by the engine when stop strings are sent
+        self.sampler_state = None  # owned by the sampler (seeded generator, token-id buffer)
+        self.grammar = None  # owned by the sampler (structured output matcher)
+        # Logprobs (sampling.return_logprob): output rows in step with the output tokens.
+        self.output_logprobs = LogprobLists() if sampling.return_logprob else None
+        self.input_logprobs: LogprobLists | None = None
+        self.input_logprob_next = -1  # next prompt position whose logits are still needed; -1: none
+        self.input_logprobs_sent = False
+        if sampling.wants_input_logprobs:
+            start = min(sampling.logprob_start_len, self.num_prompt_tokens - 1)
+            self.input_logprobs = LogprobLists(token_ids=list(prompt_ids[start:]))
+            if start == 0:  # the first prompt token has no context, hence no logprob
+                self.input_logprobs.append(None, [], [], [])
+            # token t's logprob comes from the logits at position t - 1
+            self.input_logprob_next = max(start, 1) - 1
 
     @property
     def num_tokens(self) -> int:
@@ -63,16 +109,57 @@ class Request:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def visible_output_ids(self) -> list[int]:
+        """The output as reported: without a trimmed stop string's tokens."""
+        end = len(self.token_ids) if self.num_visible_outputs is None else self.num_prompt_tokens + self.num_visible_outputs
+        return self.token_ids[self.num_prompt_tokens : end]
+
+    @property
+    def num_sendable_tokens(self) -> int:
+        """Output tokens that may go to the client now. A request with stop strings (and
+        trimming) holds back tokens that could still turn out to start a stop string."""
+        if self.num_visible_outputs is not None:
+            return self.num_visible_outputs
+        if self.stop_checker is not None and not self.is_finished:
+            return self.stop_checker.num_safe_tokens()
+        return self.num_output_tokens
+
+    @property
+    def needs_input_logprobs(self) -> bool:
+        """Prompt positions whose logits the next steps must compute (and not skip via the
+        prefix cache)."""
+        return 0 <= self.input_logprob_next < self.num_prompt_tokens - 1
+
+    @property
+    def prefix_cache_limit(self) -> int | None:
+        """At most this many leading tokens may come from the prefix cache (None: no limit)."""
+        return self.input_logprob_next if self.needs_input_logprobs else None
+
+    @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
     def append_token(self, token_id: int) -> None:
-        """Add a sampled token and decide whether the request is done."""
+        """Add a sampled token and decide whether the request is done.
+
+        min_new_tokens: the sampler masks stop ids while fewer than that many tokens
+        exist, so a stop id can end the request from output token min_new_tokens + 1 on.
+        """
         self.token_ids.append(token_id)
         n = self.num_output_tokens
-        if token_id in self.stop_ids and n >= self.sampling.min_new_tokens:
+        if token_id in self.stop_ids and n > self.sampling.min_new_tokens:
             self.finish("stop", matched_token_id=token_id)
-        elif n >= self.max_new_tokens:
+            return
+        if self.stop_checker is not None:
+            match = self.stop_checker.feed(token_id)
+            if match is not None and n >= self.sampling.min_new_tokens:
+                stop, keep = match
+                self.matched_stop_str = stop
+                if not self.sampling.no_stop_trim:
+                    self.num_visible_outputs = keep
+                self.finish("stop")
+                return
+        if n >= self.max_new_tokens:
             self.finish("length")
 
     def finish(self, reason: str, matched_token_id: int | None = None) -> None:

@@ -16,7 +16,7 @@ class InvalidRequest(ValueError):
     """The request can never be served as sent: INVALID_ARGUMENT with this message."""
 
 
-def normalize_sampling(sp) -> SamplingParams:
+def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
     """Map proto SamplingParams onto ours, rejecting values that make no sense."""
     temperature = sp.temperature
     top_p = sp.top_p if sp.top_p != 0 else 1.0
@@ -44,7 +44,21 @@ def normalize_sampling(sp) -> SamplingParams:
         raise InvalidRequest("sampling_params.max_new_tokens must be at least 1")
     seed = None
     if sp.HasField("custom_params") and "seed" in sp.custom_params.fields:
-        seed = int(sp.custom_params.fields["seed"].number_value)
+        value = sp.custom_params.fields["seed"].number_value
+        if math.isnan(value) or math.isinf(value):
+            raise InvalidRequest(f"custom_params.seed must be an integer, got {value}")
+        seed = int(value)
+    logit_bias = {}
+    for key, value in sp.logit_bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequest(f"sampling_params.logit_bias keys must be token ids, got {key!r}") from None
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise InvalidRequest(f"sampling_params.logit_bias token id {token} is outside the vocabulary")
+        if math.isnan(value):
+            raise InvalidRequest(f"sampling_params.logit_bias[{key}] is NaN")
+        logit_bias[token] = float(value)
     return SamplingParams(
         temperature=temperature,
         top_p=top_p,
@@ -58,6 +72,9 @@ def normalize_sampling(sp) -> SamplingParams:
         stop_token_ids=list(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
         seed=seed,
+        logit_bias=logit_bias,
+        stop=[x for x in sp.stop if x],
+        no_stop_trim=sp.no_stop_trim,
     )
 
 
@@ -72,10 +89,22 @@ def to_add_request(request, model_info: dict) -> AddRequest:
     bad = next((t for t in input_ids if t >= vocab), None)
     if bad is not None:
         raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {vocab})")
-    sampling = normalize_sampling(request.sampling_params)
+    sampling = normalize_sampling(request.sampling_params, vocab)
     bad = next((t for t in sampling.stop_token_ids if t >= vocab), None)
     if bad is not None:
         raise InvalidRequest(f"stop token id {bad} is outside the vocabulary (size {vocab})")
+    if request.return_logprob:
+        if request.top_logprobs_num < 0:
+            raise InvalidRequest(f"top_logprobs_num must be >= 0, got {request.top_logprobs_num}")
+        bad = next((t for t in request.token_ids_logprob if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token_ids_logprob id {bad} is outside the vocabulary (size {vocab})")
+        if request.logprob_start_len < -1:
+            raise InvalidRequest(f"logprob_start_len must be >= 0 or -1 (none), got {request.logprob_start_len}")
+        sampling.return_logprob = True
+        sampling.top_logprobs_num = min(request.top_logprobs_num, vocab)
+        sampling.token_ids_logprob = list(request.token_ids_logprob)
+        sampling.logprob_start_len = request.logprob_start_len
     context = model_info["max_context_length"]
     if len(input_ids) >= context:
         raise InvalidRequest(

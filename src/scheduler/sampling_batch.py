@@ -1,0 +1,199 @@
+"""From a scheduled batch's hidden states to sampled tokens (and logprobs).
+
+The model runner calls :meth:`BatchSampler.run` after the forward pass. It
+
+* computes the LM head only on the rows that sample, plus the prompt rows of requests
+  that asked for prompt logprobs (in slices, keeping only what they asked for);
+* builds the per-row sampling tensors from the requests' parameters: penalties as sparse
+  (row, token) indices from per-request token-id buffers (only rows that have penalties;
+  cost in the number of tokens, not rows x vocab), sparse logit bias, the min_new_tokens
+  stop mask, seeded generators;
+* samples every row in one vectorised pass (kernels.sampling), or takes the plain
+  argmax when every row is greedy with nothing to apply;
+* records logprobs (of the raw logits, before any sampling transform) on the requests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.sampling import Penalties, SamplingTensors, argmax_rows, sample, token_logprobs
+
+from .request import Request
+
+INPUT_LOGPROB_SLICE = 512  # prompt rows per LM-head slice (bounds the [rows, vocab] logits)
+
+
+class _SamplerState:
+    """Per-request state the sampler keeps between steps (in Request.sampler_state)."""
+
+    __slots__ = ("generator", "tokens", "num_tokens")
+
+    def __init__(self):
+        self.generator: torch.Generator | None = None
+        self.tokens = torch.empty(0, dtype=torch.int64)  # CPU buffer of token_ids (grown by doubling)
+        self.num_tokens = 0
+
+    def token_buffer(self, req: Request) -> torch.Tensor:
+        """``req.token_ids`` as a CPU int64 tensor, updated with the tokens added since the last call."""
+        n = req.num_tokens
+        if n > self.tokens.numel():
+            grown = torch.empty(max(n, 2 * self.tokens.numel(), 64), dtype=torch.int64)
+            grown[: self.num_tokens] = self.tokens[: self.num_tokens]
+            self.tokens = grown
+        if n > self.num_tokens:
+            self.tokens[self.num_tokens : n] = torch.tensor(req.token_ids[self.num_tokens : n], dtype=torch.int64)
+            self.num_tokens = n
+        return self.tokens[:n]
+
+
+def _state(req: Request) -> _SamplerState:
+    if req.sampler_state is None:
+        req.sampler_state = _SamplerState()
+    return req.sampler_state
+
+
+class BatchSampler:
+    def __init__(self, model, device: torch.device, generator: torch.Generator, vocab_size: int):
+        self.model = model
+        self.device = device
+        self.generator = generator
+        self.vocab_size = vocab_size
+
+    # -- entry point -------------------------------------------------------------------
+    def run(self, requests: list[Request], num_new_tokens: list[int], hidden: torch.Tensor, sample_rows: list[int]) -> list[int]:
+        """One token for every request that samples this step (in batch order)."""
+        self._input_logprobs(requests, num_new_tokens, hidden)
+        if not sample_rows:
+            return []
+        sampling = [r for r, n in zip(requests, num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        lp_rows = [i for i, r in enumerate(sampling) if r.output_logprobs is not None]
+        logprobs = logits[lp_rows].float().log_softmax(dim=-1) if lp_rows else None
+        params = self.build(sampling)
+        if params.plain_greedy:
+            tokens = argmax_rows(logits)
+        else:
+            tokens = sample(logits.float(), params, self.generator)
+        if lp_rows:
+            self._record_output_logprobs([sampling[i] for i in lp_rows], logprobs, tokens[lp_rows])
+        return tokens.tolist()
+
+    # -- sampling tensors --------------------------------------------------------------
+    def build(self, reqs: list[Request]) -> SamplingTensors:
+        dev, vocab = self.device, self.vocab_size
+        temperature, top_p, top_k, min_p = [], [], [], []
+        pen_rows, rep, freq, pres, out_tokens, prompt_tokens = [], [], [], [], [], []
+        bias_rows, bias_cols, bias_vals = [], [], []
+        ban_rows, ban_cols = [], []
+        seeded = []
+        any_min_p = False
+        for i, req in enumerate(reqs):
+            sp = req.sampling
+            temperature.append(sp.temperature)
+            top_p.append(sp.top_p)
+            top_k.append(sp.top_k)
+            min_p.append(sp.min_p)
+            any_min_p |= sp.min_p > 0.0
+            if sp.has_penalties:
+                buf = _state(req).token_buffer(req)
+                pen_rows.append(i)
+                rep.append(sp.repetition_penalty)
+                freq.append(sp.frequency_penalty)
+                pres.append(sp.presence_penalty)
+                out_tokens.append(buf[req.num_prompt_tokens :])
+                prompt_tokens.append(buf[: req.num_prompt_tokens])
+            if sp.logit_bias:
+                for tok, val in sp.logit_bias.items():
+                    bias_rows.append(i)
+                    bias_cols.append(tok)
+                    bias_vals.append(val)
+            if req.num_output_tokens < sp.min_new_tokens and req.stop_ids:
+                for tok in req.stop_ids:
+                    ban_rows.append(i)
+                    ban_cols.append(tok)
+            if sp.seed is not None and not sp.greedy:
+                st = _state(req)
+                if st.generator is None:  # on the CPU: it draws one number per row and round
+                    st.generator = torch.Generator()
+                    st.generator.manual_seed(sp.seed & 0xFFFF_FFFF_FFFF_FFFF)
+                seeded.append((i, st.generator))
+        extra = {}
+        if pen_rows:
+            extra["penalties"] = Penalties.build(pen_rows, rep, freq, pres, out_tokens, prompt_tokens, vocab, dev)
+        if bias_rows:
+            extra["bias"] = (
+                torch.tensor(bias_rows, dtype=torch.int64, device=dev),
+                torch.tensor(bias_cols, dtype=torch.int64, device=dev),
+                torch.tensor(bias_vals, dtype=torch.float32, device=dev),
+            )
+        if ban_rows:
+            extra["banned"] = (
+                torch.tensor(ban_rows, dtype=torch.int64, device=dev),
+                torch.tensor(ban_cols, dtype=torch.int64, device=dev),
+            )
+        return SamplingTensors.build(
+            temperature, top_p, top_k, dev, min_p=min_p if any_min_p else None, seeded=seeded, vocab=vocab, **extra
+        )
+
+    # -- logprobs ----------------------------------------------------------------------
+    @staticmethod
+    def _ids_index(reqs: list[Request], device) -> tuple[torch.Tensor | None, list[int]]:
+        """token_ids_logprob of every row, padded into one [M, K] index."""
+        lists = [r.sampling.token_ids_logprob for r in reqs]
+        width = max((len(x) for x in lists), default=0)
+        if not width:
+            return None, []
+        padded = [list(x) + [0] * (width - len(x)) for x in lists]
+        return torch.tensor(padded, dtype=torch.int64, device=device), [len(x) for x in lists]
+
+    def _record_output_logprobs(self, reqs: list[Request], logprobs: torch.Tensor, tokens: torch.Tensor) -> None:
+        top_n = max(r.sampling.top_logprobs_num for r in reqs)
+        ids, widths = self._ids_index(reqs, self.device)
+        chosen, top_v, top_i, ids_v = token_logprobs(logprobs, tokens, top_n, ids)
+        chosen = chosen.tolist()
+        top_v = top_v.tolist() if top_v is not None else None
+        top_i = top_i.tolist() if top_i is not None else None
+        ids_v = ids_v.tolist() if ids_v is not None else None
+        for j, req in enumerate(reqs):
+            k = req.sampling.top_logprobs_num
+            req.output_logprobs.append(
+                chosen[j],
+                top_v[j][:k] if k else [],
+                top_i[j][:k] if k else [],
+                ids_v[j][: widths[j]] if ids_v is not None and widths[j] else [],
+            )
+
+    def _input_logprobs(self, requests: list[Request], num_new_tokens: list[int], hidden: torch.Tensor) -> None:
+        """Prompt logprobs for the prompt rows computed this step (requests that asked)."""
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[Request] = []
+        offset = 0
+        for req, n in zip(requests, num_new_tokens):
+            if req.needs_input_logprobs:
+                start = req.num_computed_tokens
+                lo = max(start, req.input_logprob_next)
+                hi = min(start + n, req.num_prompt_tokens - 1)
+                for p in range(lo, hi):  # logits at position p give the logprob of token p + 1
+                    rows.append(offset + p - start)
+                    targets.append(req.token_ids[p + 1])
+                    owners.append(req)
+                if hi > lo:
+                    req.input_logprob_next = hi
+            offset += n
+        for s in range(0, len(rows), INPUT_LOGPROB_SLICE):
+            part = slice(s, s + INPUT_LOGPROB_SLICE)
+            reqs = owners[part]
+            idx = torch.tensor(rows[part], device=self.device)
+            logprobs = self.model.compute_logits(hidden[idx]).float().log_softmax(dim=-1)
+            top_n = max(r.sampling.top_logprobs_num for r in reqs)
+            chosen, top_v, top_i, _ = token_logprobs(
+                logprobs, torch.tensor(targets[part], device=self.device), top_n, None
+            )
+            chosen = chosen.tolist()
+            top_v = top_v.tolist() if top_v is not None else None
+            top_i = top_i.tolist() if top_i is not None else None
+            for j, req in enumerate(reqs):
+                k = req.sampling.top_logprobs_num
+                req.input_logprobs.append(chosen[j], top_v[j][:k] if k else [], top_i[j][:k] if k else [], [])

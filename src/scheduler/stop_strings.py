@@ -1,0 +1,97 @@
+"""Stop strings: incremental detokenisation of one request's output, only for requests
+that send ``SamplingParams.stop``.
+
+The text is decoded as vLLM does it incrementally (a few tokens of context, a token whose
+bytes do not yet form a character waits for the next), with special tokens skipped (the
+router decodes that way). Every output token records where its text ends, so a match is
+trimmed at token granularity (as SGLang trims ids): the tokens from the one holding the
+stop string's first character on are dropped. While no stop string matched, the tokens
+that could still begin one (a text suffix that is a prefix of a stop string, or bytes
+not yet decoded) are held back from streaming.
+
+The tokenizer is loaded lazily, once per scheduler process, from the model's tokenizer
+directory (:func:`model_source.prepare_tokenizer_dir`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+
+logger = logging.getLogger(__name__)
+
+CONTEXT_TOKENS = 4  # prompt tokens decoded before the output (leading-space handling)
+
+_tokenizers: dict[str, object] = {}
+_lock = threading.Lock()
+
+
+def load_tokenizer(model_path: str):
+    """The HF tokenizer for ``model_path`` (cached per process)."""
+    with _lock:
+        tok = _tokenizers.get(model_path)
+        if tok is None:
+            from transformers import AutoTokenizer
+
+            from .model_source import prepare_tokenizer_dir
+
+            logger.info("loading the tokenizer for stop strings")
+            tok = AutoTokenizer.from_pretrained(prepare_tokenizer_dir(model_path))
+            _tokenizers[model_path] = tok
+        return tok
+
+
+class StopStringChecker:
+    def __init__(self, tokenizer, stops: list[str], prompt_ids: list[int], trim: bool = True):
+        self.tokenizer = tokenizer
+        self.stops = [s for s in stops if s]
+        self.max_len = max((len(s) for s in self.stops), default=0)
+        self.trim = trim
+        self.ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])  # context, then the output
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""  # the output's decoded text
+        self.ends: list[int] = []  # per output token: len(text) through that token
+        self.num_decoded = 0  # output tokens whose bytes are all in `text`
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def feed(self, token_id: int) -> tuple[str, int] | None:
+        """Add one output token; on a match returns (stop string, output tokens to keep)."""
+        self.ids.append(token_id)
+        self.ends.append(len(self.text))
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return None  # nothing printable yet (partial UTF-8 or a skipped special token)
+        before = len(self.text)
+        self.text += new_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        for i in range(self.num_decoded, len(self.ends)):  # pending tokens complete together
+            self.ends[i] = len(self.text)
+        self.num_decoded = len(self.ends)
+        # A new match must end in the new text: search from max_len - 1 characters before it.
+        lo = max(0, before - self.max_len + 1)
+        best = None
+        for stop in self.stops:
+            pos = self.text.find(stop, lo)
+            if pos != -1 and (best is None or pos < best[1]):
+                best = (stop, pos)
+        if best is None:
+            return None
+        stop, pos = best
+        return stop, bisect.bisect_right(self.ends, pos)
+
+    def num_safe_tokens(self) -> int:
+        """Output tokens that can no longer be part of a stop string (all, when not trimming)."""
+        if not self.trim:
+            return len(self.ends)
+        held = 0  # longest text suffix that is a proper prefix of a stop string
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.text)), held, -1):
+                if self.text.endswith(stop[:n]):
+                    held = n
+                    break
+        return min(bisect.bisect_right(self.ends, len(self.text) - held), self.num_decoded)

@@ -1,0 +1,401 @@
+"""The batched sampler on synthetic logits: every transform against a straightforward
+per-row reference, greedy/top-k=1/seed behaviour, logprobs, and the request-side pieces
+(BatchSampler.build from requests, stop strings)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kernels.sampling import Penalties, SamplingTensors, sample, token_logprobs
+from scheduler.messages import SamplingParams
+from scheduler.request import Request
+from scheduler.sampling_batch import BatchSampler
+
+V = 512
+EOS = 2
+
+
+def logits_of(n, vocab=V, seed=0, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, vocab, generator=g) * scale
+
+
+def params(n, temperature=1.0, top_p=1.0, top_k=-1, **kw):
+    def col(v):
+        return v if isinstance(v, list) else [v] * n
+
+    return SamplingTensors.build(col(temperature), col(top_p), col(top_k), "cpu", **kw)
+
+
+def make_req(prompt, outputs=(), rid="r", **sp):
+    sp.setdefault("max_new_tokens", 64)
+    req = Request(rid, list(prompt), SamplingParams(**sp), sp["max_new_tokens"], frozenset({EOS}))
+    req.token_ids.extend(outputs)
+    return req
+
+
+def sampler():
+    return BatchSampler(model=None, device=torch.device("cpu"), generator=torch.Generator().manual_seed(0), vocab_size=V)
+
+
+# -- greedy, top-k 1, seeds -------------------------------------------------------------
+
+
+def test_greedy_is_argmax():
+    logits = logits_of(8)
+    out = sample(logits.clone(), params(8, temperature=0.0))
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def test_top_k_1_is_greedy_even_hot():
+    logits = logits_of(8)
+    out = sample(logits.clone(), params(8, temperature=5.0, top_k=1), torch.Generator().manual_seed(1))
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def test_mixed_batch_greedy_rows_stay_argmax():
+    logits = logits_of(6)
+    p = params(6, temperature=[0.0, 1.0, 0.0, 2.0, 0.0, 0.7])
+    out = sample(logits.clone(), p, torch.Generator().manual_seed(3))
+    greedy = logits.argmax(-1)
+    assert out[0] == greedy[0] and out[2] == greedy[2] and out[4] == greedy[4]
+
+
+def seeded_draws(seed, steps, batch_logits, row, **kw):
+    """Tokens drawn for a seeded row `row` over several steps, the rest of the batch unseeded."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    n = batch_logits.shape[0]
+    for s in range(steps):
+        p = params(n, seeded=[(row, g)], **kw)
+        out.append(int(sample(batch_logits.clone(), p, torch.Generator().manual_seed(1000 + s))[row]))
+    return out
+
+
+@pytest.mark.parametrize("kw", [{}, {"top_k": 40}, {"top_p": 0.9}, {"top_k": 3000, "top_p": 0.8}])
+def test_seeded_rows_reproducible_whatever_the_batch(kw):
+    flat = logits_of(1, scale=0.5)  # flat-ish: many tokens are plausible
+    alone = seeded_draws(7, 12, flat, 0, **kw)
+    # same seed inside a bigger batch whose other rows differ (other top-k: other code path)
+    batch = torch.cat([logits_of(3, seed=5), flat, logits_of(2, seed=6)])
+    other_k = {"top_k": [kw.get("top_k", -1)] * 3 + [kw.get("top_k", -1)] + [-1, 10]} if kw else {}
+    in_batch = seeded_draws(7, 12, batch, 3, **{**kw, **other_k})
+    assert alone == in_batch
+    assert seeded_draws(8, 12, flat, 0, **kw) != alone
+    assert len(set(alone)) > 1  # it does sample
+
+
+def test_unseeded_sampling_matches_softmax_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
+    out = sample(logits.clone(), params(4000), torch.Generator().manual_seed(0))
+    freq = torch.bincount(out, minlength=4).float() / 4000
+    assert torch.allclose(freq, logits[0].softmax(-1), atol=0.03)
+
+
+# -- top-k / top-p / min-p / temperature ------------------------------------------------------
+
+
+def ref_filter(row, temperature, top_k, top_p, min_p):
+    """Per-row reference (SGLang's semantics): the set of tokens that may be sampled."""
+    probs = torch.softmax(row / temperature, -1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    kept, mass = set(), 0.0
+    for rank, i in enumerate(order):
+        if (top_k <= 0 or rank < top_k) and mass < top_p and probs[i] >= min_p * probs[order[0]]:
+            kept.add(i)
+        mass += probs[i]
+    return kept
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p",
+    [(1.0, 5, 1.0, 0.0), (0.7, -1, 0.5, 0.0), (1.3, 50, 0.9, 0.0), (1.0, -1, 1.0, 0.2), (0.5, 20, 0.95, 0.05),
+     (1.0, 2000, 0.7, 0.0)],
+)
+def test_filters_match_reference(temperature, top_k, top_p, min_p):
+    logits = logits_of(4, seed=11, scale=1.5)
+    allowed = [ref_filter(logits[i], temperature, top_k, top_p, min_p) for i in range(4)]
+    n = 4
+    seen = [set() for _ in range(n)]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        p = params(n, temperature=temperature, top_k=top_k, top_p=top_p, min_p=[min_p] * n)
+        out = sample(logits.clone(), p, g)
+        for i in range(n):
+            seen[i].add(int(out[i]))
+    for i in range(n):
+        assert seen[i] <= allowed[i], f"row {i}: sampled outside the filter: {seen[i] - allowed[i]}"
+        if len(allowed[i]) <= 6:
+            assert seen[i] == allowed[i]
+
+
+def test_filtered_sampling_follows_renormalised_distribution():
+    # top-k 3 of 5 tokens, then the draw must follow the renormalised top-3 probabilities
+    logits = torch.tensor([[3.0, 2.5, 2.0, 1.0, 0.5]]).repeat(6000, 1)
+    out = sample(logits.clone(), params(6000, top_k=3), torch.Generator().manual_seed(0))
+    freq = torch.bincount(out, minlength=5).float() / 6000
+    want = torch.cat([logits[0, :3].softmax(-1), torch.zeros(2)])
+    assert torch.allclose(freq, want, atol=0.03)
+    # top-p 0.6: mass before token 2 is > 0.6 -> only tokens 0 and 1 (SGLang: of the whole distribution)
+    probs = logits[0].softmax(-1)
+    assert probs[0] < 0.6 < probs[0] + probs[1]
+    out = sample(logits.clone(), params(6000, top_p=0.6), torch.Generator().manual_seed(1))
+    freq = torch.bincount(out, minlength=5).float() / 6000
+    want = torch.cat([probs[:2] / probs[:2].sum(), torch.zeros(3)])
+    assert torch.allclose(freq, want, atol=0.03)
+
+
+def test_tiny_top_p_is_greedy_and_terminates():
+    logits = logits_of(8, scale=0.1)  # flat: the rejection loop needs many rounds
+    out = sample(logits.clone(), params(8, top_p=1e-6), torch.Generator().manual_seed(0))
+    assert torch.equal(out, logits.argmax(-1))
+
+
+# -- penalties, bias, min_new_tokens ----------------------------------------------------------
+
+
+def ref_penalise(row, prompt, outputs, rep, freq, pres):
+    row = row.clone()
+    seen = set(prompt) | set(outputs)
+    for t in seen:
+        if rep != 1.0:
+            row[t] = row[t] / rep if row[t] > 0 else row[t] * rep
+    for t in set(outputs):
+        c = outputs.count(t)
+        row[t] -= freq * c + pres
+    return row
+
+
+def test_penalties_match_reference_formulas():
+    torch.manual_seed(0)
+    logits = logits_of(5)
+    prompts = [[1, 5, 9, 9], [3, 4], [7], [100, 101, 102], [8]]
+    outputs = [[5, 5, 6], [4, 4, 4, 10], [], [100, 200, 200], [9]]
+    cfg = [(1.3, 0.0, 0.0), (1.0, 0.5, 0.0), (1.2, 0.3, 0.7), (1.0, 0.0, 1.5), (1.0, 0.0, 0.0)]
+    rows = [i for i, c in enumerate(cfg) if c != (1.0, 0.0, 0.0)]
+    pen = Penalties.build(
+        rows,
+        [cfg[i][0] for i in rows],
+        [cfg[i][1] for i in rows],
+        [cfg[i][2] for i in rows],
+        [torch.tensor(outputs[i], dtype=torch.int64) for i in rows],
+        [torch.tensor(prompts[i], dtype=torch.int64) for i in rows],
+        V,
+        "cpu",
+    )
+    from kernels.sampling import apply_penalties
+
+    got = logits.clone()
+    apply_penalties(got, pen)
+    for i in range(5):
+        want = ref_penalise(logits[i], prompts[i], outputs[i], *cfg[i])
+        assert torch.allclose(got[i], want, atol=1e-6), i
+
+
+def test_build_from_requests_applies_penalties_bias_and_min_tokens():
+    s = sampler()
+    reqs = [
+        make_req([10, 11, 12], [11, 13, 13], rid="a", temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.4,
+                 presence_penalty=0.2),
+        make_req([20], [], rid="b", temperature=0.0, logit_bias={7: 100.0}),
+        make_req([30], [31], rid="c", temperature=0.0, min_new_tokens=3, stop_token_ids=[9]),
+        make_req([40], [], rid="d", temperature=0.0),
+    ]
+    logits = logits_of(4, seed=2)
+    logits[2, EOS] = 50.0  # EOS would win without the min_new_tokens mask
+    logits[2, 9] = 49.0
+    p = s.build(reqs)
+    assert not p.plain_greedy and p.all_greedy
+    got = logits.clone()
+    tokens = sample(got, p)
+    want_a = ref_penalise(logits[0], [10, 11, 12], [11, 13, 13], 1.5, 0.4, 0.2)
+    assert torch.allclose(got[0], want_a, atol=1e-6)
+    assert tokens[0] == want_a.argmax()
+    assert tokens[1] == 7  # the bias forces it
+    assert tokens[2] not in (EOS, 9) and got[2, EOS] == float("-inf")
+    assert tokens[3] == logits[3].argmax()
+    # once min_new_tokens outputs exist, stop ids are allowed again
+    reqs[2].token_ids.extend([31, 31])
+    assert s.build(reqs[2:3]).banned is None
+
+
+def test_plain_greedy_fast_path_detected():
+    s = sampler()
+    reqs = [make_req([1, 2], [3], rid=str(i), temperature=0.0) for i in range(4)] + [make_req([1], rid="k", top_k=1)]
+    assert s.build(reqs).plain_greedy
+
+
+def test_seeded_request_reproducible_through_build():
+    logits = logits_of(1, scale=0.5)
+
+    def run(seed):
+        s = sampler()
+        req = make_req([1, 2, 3], rid="s", temperature=1.0, seed=seed)
+        out = []
+        for _ in range(10):
+            tok = int(sample(logits.clone(), s.build([req]), s.generator)[0])
+            req.token_ids.append(tok)
+            out.append(tok)
+        return out
+
+    assert run(42) == run(42)
+    assert run(42) != run(43)
+
+
+# -- logprobs -----------------------------------------------------------------------------------
+
+
+def test_token_logprobs():
+    logits = logits_of(3)
+    lp = logits.log_softmax(-1)
+    tokens = torch.tensor([5, 6, 7])
+    ids = torch.tensor([[1, 2], [3, 0], [4, 4]])
+    chosen, top_v, top_i, ids_v = token_logprobs(lp, tokens, 4, ids)
+    assert torch.allclose(chosen, lp[torch.arange(3), tokens])
+    ref_v, ref_i = lp.topk(4)
+    assert torch.equal(top_i, ref_i) and torch.allclose(top_v, ref_v)
+    assert torch.allclose(ids_v, lp.gather(1, ids))
+
+
+class FakeModel:
+    """hidden states are the logits themselves."""
+
+    def compute_logits(self, hidden):
+        return hidden.clone()
+
+
+def test_batch_sampler_records_output_and_input_logprobs():
+    s = BatchSampler(FakeModel(), torch.device("cpu"), torch.Generator().manual_seed(0), V)
+    prompt = [5, 6, 7, 8]
+    req = make_req(prompt, rid="lp", temperature=0.0, return_logprob=True, top_logprobs_num=3,
+                   token_ids_logprob=[1, 2], logprob_start_len=0)
+    other = make_req([9, 9, 9], rid="o", temperature=0.8, top_p=0.9, repetition_penalty=1.2)
+    hidden = logits_of(7, seed=9)  # rows 0..3: req's prompt, 4..6: other's prompt
+    tokens = s.run([req, other], [4, 3], hidden, [3, 6])
+    assert len(tokens) == 2 and tokens[0] == int(hidden[3].argmax())
+    lp = hidden.log_softmax(-1)
+    il = req.input_logprobs
+    assert il.token_ids == prompt and il.values[0] is None
+    for t in range(1, 4):
+        assert il.values[t] == pytest.approx(float(lp[t - 1, prompt[t]]), abs=1e-5)
+        assert il.top_ids[t] == lp[t - 1].topk(3).indices.tolist()
+    ol = req.output_logprobs
+    assert ol.values[0] == pytest.approx(float(lp[3, tokens[0]]), abs=1e-5)
+    assert ol.top_ids[0] == lp[3].topk(3).indices.tolist()
+    assert ol.ids_values[0] == pytest.approx(lp[3, [1, 2]].tolist(), abs=1e-5)
+    assert other.output_logprobs is None and other.input_logprobs is None
+    assert not req.needs_input_logprobs
+
+
+def test_input_logprobs_across_chunks_and_start_len():
+    s = BatchSampler(FakeModel(), torch.device("cpu"), torch.Generator().manual_seed(0), V)
+    prompt = list(range(20, 30))
+    req = make_req(prompt, rid="c", temperature=0.0, return_logprob=True, logprob_start_len=4)
+    hidden = logits_of(10, seed=3)
+    assert req.prefix_cache_limit == 3
+    s.run([req], [6], hidden[:6], [])  # chunk 1: positions 0..5
+    req.num_computed_tokens = 6
+    assert req.prefix_cache_limit == 6
+    s.run([req], [4], hidden[6:], [3])  # chunk 2: positions 6..9, samples
+    lp = hidden.log_softmax(-1)
+    il = req.input_logprobs
+    assert il.token_ids == prompt[4:]
+    assert il.values == pytest.approx([float(lp[t - 1, prompt[t]]) for t in range(4, 10)], abs=1e-5)
+    assert req.prefix_cache_limit is None
+
+
+# -- stop strings ---------------------------------------------------------------------------------
+
+
+class CharTokenizer:
+    """token id = a character (ids < 256); 0 decodes to nothing (a special token)."""
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return "".join(chr(i) for i in ids if i)
+
+
+def feed_all(text, stops, trim=True, min_new=0):
+    from scheduler.stop_strings import StopStringChecker
+
+    req = make_req([ord("x")], rid="st", temperature=0.0, stop=stops, no_stop_trim=not trim, min_new_tokens=min_new,
+                   max_new_tokens=len(text) + 5)
+    req.stop_checker = StopStringChecker(CharTokenizer(), stops, [ord("x")], trim=trim)
+    safe = []
+    for ch in text:
+        req.append_token(ord(ch))
+        safe.append(req.num_sendable_tokens)
+        if req.is_finished:
+            break
+    return req, safe
+
+
+def test_stop_string_trimmed_and_held_back():
+    req, safe = feed_all("hello STOP world", ["STOP"])
+    assert req.finish_reason == "stop" and req.matched_stop_str == "STOP"
+    assert "".join(map(chr, req.visible_output_ids)) == "hello "
+    # while "S", "ST", "STO" could begin the stop string, they were held back
+    assert safe[6:9] == [6, 6, 6]
+
+
+def test_stop_string_kept_with_no_stop_trim():
+    req, safe = feed_all("hello STOP world", ["STOP"], trim=False)
+    assert "".join(map(chr, req.visible_output_ids)) == "hello STOP"
+    assert safe[-2] == 9  # nothing held back when not trimming
+
+
+def test_stop_string_false_start_released_and_earliest_match_wins():
+    req, safe = feed_all("aSTb xy ab", ["STOP", "xy"])
+    assert req.matched_stop_str == "xy"
+    assert "".join(map(chr, req.visible_output_ids)) == "aSTb "
+    assert safe[3] == 4  # "aSTb": the false start is released once "b" arrives
+
+
+def test_stop_string_respects_min_new_tokens():
+    req, _ = feed_all("ab ab ab", ["ab"], min_new=4)
+    assert "".join(map(chr, req.visible_output_ids)) == "ab "
+
+
+# -- cost ---------------------------------------------------------------------------------------------
+
+
+def test_sampler_cost_mixed_vs_greedy(capsys):
+    """Not a benchmark gate: prints the per-step cost for a 64-row batch (vocab 49152)."""
+    vocab, n = 49152, 64
+    s = BatchSampler(None, torch.device("cpu"), torch.Generator().manual_seed(0), vocab)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (300,), generator=g).tolist()
+    out = torch.randint(0, vocab, (100,), generator=g).tolist()
+    kinds = [
+        dict(temperature=0.0),
+        dict(temperature=0.7, top_p=0.9, top_k=20, repetition_penalty=1.05),
+        dict(temperature=1.0, top_p=0.95),
+        dict(temperature=0.8, min_p=0.05, frequency_penalty=0.3, presence_penalty=0.2, seed=5),
+    ]
+    mixed = []
+    for i in range(n):
+        kw = dict(kinds[i % 4])
+        mixed.append(make_req(prompt, out, rid=f"m{i}", **kw))
+        if i % 8 == 0:
+            mixed[-1].sampling.logit_bias = {11: 2.0}
+    greedy = [make_req(prompt, out, rid=f"g{i}", temperature=0.0) for i in range(n)]
+    logits = torch.randn(n, vocab)
+
+    def cost(reqs):
+        sample(logits.clone(), s.build(reqs), s.generator)  # warm-up
+        best = float("inf")
+        for _ in range(5):
+            x = logits.clone()
+            t0 = time.perf_counter()
+            p = s.build(reqs)
+            if p.plain_greedy:
+                x.argmax(-1)
+            else:
+                sample(x, p, s.generator)
+            best = min(best, time.perf_counter() - t0)
+        return best * 1e3
+
+    with capsys.disabled():
+        print(f"\nsampler step, 64 rows x 49152: all-greedy {cost(greedy):.2f} ms, mixed params {cost(mixed):.2f} ms")
