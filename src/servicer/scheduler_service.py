@@ -13,7 +13,7 @@ import msgspec
 from google.protobuf import struct_pb2, timestamp_pb2
 
 from scheduler.config import EngineConfig
-from scheduler.messages import RequestOutput
+from scheduler.messages import LogprobRows, RequestOutput
 
 from .generated import common_pb2
 from .generated import sglang_scheduler_pb2 as pb
@@ -35,15 +35,34 @@ def _struct(values: dict) -> struct_pb2.Struct:
 
 
 class _Choice:
-    """Progress of one of the n sequences of a Generate call."""
+    """Progress of one of the n sequences of a Generate call: every output token (and its
+    logprob row) so far, and how many of them went out in chunks."""
 
-    __slots__ = ("index", "output_ids", "sent_chunk", "done")
+    __slots__ = ("index", "output_ids", "num_chunked", "sent_chunk", "done", "logprobs", "input_logprobs", "input_sent")
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, want_logprobs: bool = False):
         self.index = index
         self.output_ids: list[int] = []
+        self.num_chunked = 0  # output tokens already sent in chunks
         self.sent_chunk = False
         self.done = False
+        # output logprob columns, aligned with output_ids: values, top values, top ids, ids values
+        self.logprobs: tuple[list, list, list, list] | None = ([], [], [], []) if want_logprobs else None
+        self.input_logprobs: LogprobRows | None = None
+        self.input_sent = False
+
+    def add(self, out: RequestOutput) -> None:
+        self.output_ids.extend(out.new_token_ids)
+        rows = out.output_logprobs
+        if self.logprobs is not None and out.new_token_ids:
+            values, top_v, top_i, ids_v = self.logprobs
+            n = len(out.new_token_ids)
+            values.extend(rows.values if rows is not None else [0.0] * n)
+            top_v.extend(rows.top_values if rows is not None and rows.top_values else [[]] * n)
+            top_i.extend(rows.top_ids if rows is not None and rows.top_ids else [[]] * n)
+            ids_v.extend(rows.ids_values if rows is not None and rows.ids_values else [[]] * n)
+        if out.input_logprobs is not None:
+            self.input_logprobs = out.input_logprobs
 
 
 class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
@@ -80,13 +99,19 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
         n = max(request.sampling_params.n, 1)
         ids = [rid] if n == 1 else [f"{rid}-n{i}" for i in range(n)]
-        choices = {cid: _Choice(i) for i, cid in enumerate(ids)}
+        choices = {cid: _Choice(i, base.sampling.return_logprob) for i, cid in enumerate(ids)}
+        sp = request.sampling_params
+        # stream_interval: a chunk every N tokens (the first chunk of a choice goes out at once)
+        interval = sp.stream_interval if sp.HasField("stream_interval") and sp.stream_interval > 0 else 1
         self.children[rid] = ids
         queue: asyncio.Queue = asyncio.Queue()
         finished = False
         try:
-            for cid in ids:
-                self.client.submit(msgspec.structs.replace(base, request_id=cid), queue)
+            for i, cid in enumerate(ids):
+                child = msgspec.structs.replace(base, request_id=cid)
+                if i and base.sampling.seed is not None:  # n seeded samples must differ, reproducibly
+                    child.sampling = msgspec.structs.replace(base.sampling, seed=base.sampling.seed + i)
+                self.client.submit(child, queue)
             remaining = n
             while remaining:
                 item = await queue.get()
@@ -97,14 +122,16 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
                     code = getattr(grpc.StatusCode, out.error_code or "INTERNAL", grpc.StatusCode.INTERNAL)
                     await context.abort(code, out.error)
                 choice = choices[out.request_id]
-                choice.output_ids.extend(out.new_token_ids)
-                if request.stream and (out.new_token_ids or not choice.sent_chunk):
-                    choice.sent_chunk = True
-                    yield pb.GenerateResponse(request_id=rid, chunk=self._chunk(out, choice))
+                choice.add(out)
+                pending = len(choice.output_ids) - choice.num_chunked
+                if request.stream and (
+                    not choice.sent_chunk or pending >= interval or (pending and out.finish_reason is not None)
+                ):
+                    yield pb.GenerateResponse(request_id=rid, chunk=self._chunk(out, choice, request))
                 if out.finish_reason is not None:
                     choice.done = True
                     remaining -= 1
-                    yield pb.GenerateResponse(request_id=rid, complete=self._complete(out, choice))
+                    yield pb.GenerateResponse(request_id=rid, complete=self._complete(out, choice, request))
             finished = True
         finally:
             # A cancelled call (client gone) or an error: stop the work and free the KV now.
@@ -115,17 +142,51 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             self.children.pop(rid, None)
 
     @staticmethod
-    def _chunk(out: RequestOutput, choice: _Choice) -> pb.GenerateStreamChunk:
-        return pb.GenerateStreamChunk(
-            token_ids=out.new_token_ids,
+    def _output_logprobs(choice: _Choice, start: int, request) -> pb.OutputLogProbs:
+        """OutputLogProbs of the choice's output tokens [start:] (a chunk's, or all)."""
+        values, top_v, top_i, ids_v = choice.logprobs
+        msg = pb.OutputLogProbs(token_logprobs=values[start:], token_ids=choice.output_ids[start:])
+        if request.top_logprobs_num > 0:
+            msg.top_logprobs.extend(pb.TopLogProbs(values=v, token_ids=i) for v, i in zip(top_v[start:], top_i[start:]))
+        if request.token_ids_logprob:
+            wanted = list(request.token_ids_logprob)
+            msg.token_ids_logprobs.extend(pb.TopLogProbs(values=v, token_ids=wanted) for v in ids_v[start:])
+        return msg
+
+    @staticmethod
+    def _input_logprobs(rows: LogprobRows, request) -> pb.InputLogProbs:
+        msg = pb.InputLogProbs(
+            token_logprobs=[pb.InputTokenLogProb() if v is None else pb.InputTokenLogProb(value=v) for v in rows.values],
+            token_ids=rows.token_ids,
+        )
+        if request.top_logprobs_num > 0:
+            top_v = rows.top_values or [[]] * len(rows.values)
+            top_i = rows.top_ids or [[]] * len(rows.values)
+            msg.top_logprobs.extend(pb.TopLogProbs(values=v, token_ids=i) for v, i in zip(top_v, top_i))
+        return msg
+
+    def _chunk(self, out: RequestOutput, choice: _Choice, request) -> pb.GenerateStreamChunk:
+        """The tokens not yet chunked (with their logprob rows; the prompt's in the first
+        chunk that has them); counts are cumulative."""
+        start = choice.num_chunked
+        chunk = pb.GenerateStreamChunk(
+            token_ids=choice.output_ids[start:],
             prompt_tokens=out.num_prompt_tokens,
             completion_tokens=out.num_output_tokens,
             cached_tokens=out.num_cached_tokens,
             index=choice.index,
         )
+        if choice.logprobs is not None:
+            chunk.output_logprobs.CopyFrom(self._output_logprobs(choice, start, request))
+        if choice.input_logprobs is not None and not choice.input_sent:
+            choice.input_sent = True
+            chunk.input_logprobs.CopyFrom(self._input_logprobs(choice.input_logprobs, request))
+        choice.num_chunked = len(choice.output_ids)
+        choice.sent_chunk = True
+        return chunk
 
-    @staticmethod
-    def _complete(out: RequestOutput, choice: _Choice) -> pb.GenerateComplete:
+    def _complete(self, out: RequestOutput, choice: _Choice, request) -> pb.GenerateComplete:
+        """Every output token and (cumulative) logprob of the choice."""
         complete = pb.GenerateComplete(
             output_ids=choice.output_ids,
             finish_reason=out.finish_reason,
@@ -136,6 +197,12 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         )
         if out.matched_token_id is not None:
             complete.matched_token_id = out.matched_token_id
+        elif out.matched_stop_str is not None:
+            complete.matched_stop_str = out.matched_stop_str
+        if choice.logprobs is not None:
+            complete.output_logprobs.CopyFrom(self._output_logprobs(choice, 0, request))
+        if choice.input_logprobs is not None:
+            complete.input_logprobs.CopyFrom(self._input_logprobs(choice.input_logprobs, request))
         return complete
 
     async def Abort(self, request, context):
