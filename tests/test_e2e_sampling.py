@@ -250,3 +250,52 @@ def test_stream_interval(grpc_stub, story):
     ref, _ = greedy_ids(grpc_stub, story, max_new_tokens=10, ignore_eos=True)
     assert [t for ch in chunks_of(msgs) for t in ch.token_ids] == ref
     assert chunks_of(msgs)[-1].completion_tokens == 10
+
+
+# ------------------------------------------------------------------ structured output (xgrammar)
+
+
+def test_json_schema_output_parses(grpc_stub, tokenizer):
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    prompt = tokenizer.encode("Describe a person as JSON:", add_special_tokens=False)
+    sp = sampling(max_new_tokens=64, temperature=0.7)
+    sp.custom_params.update({"seed": 3})
+    sp.json_schema = json.dumps(schema)
+    c = one_complete(grpc_stub, make_request(prompt, params=sp))
+    assert c.finish_reason == "stop", (c.finish_reason, tokenizer.decode(list(c.output_ids)))
+    value = json.loads(tokenizer.decode(list(c.output_ids), skip_special_tokens=True))
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int) and isinstance(value["name"], str)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_regex_and_ebnf_constraints(grpc_stub, tokenizer, story, stream):
+    import re
+
+    sp = sampling(max_new_tokens=16)
+    sp.regex = r"(yes|no), [0-9]{3}!"
+    msgs = generate(grpc_stub, make_request(story, params=sp, stream=stream))
+    c = completes_of(msgs)[0]
+    out = [t for ch in chunks_of(msgs) for t in ch.token_ids] if stream else list(c.output_ids)
+    assert c.finish_reason == "stop"
+    assert re.fullmatch(r"(yes|no), [0-9]{3}!", tokenizer.decode(out, skip_special_tokens=True))
+    sp = sampling(max_new_tokens=8, temperature=1.0)
+    sp.ebnf_grammar = 'root ::= "cat" | "dog"'
+    c = one_complete(grpc_stub, make_request(story, params=sp))
+    assert tokenizer.decode(list(c.output_ids), skip_special_tokens=True) in ("cat", "dog")
+
+
+@pytest.mark.parametrize("kind,spec", [("json_schema", "{not json"), ("regex", "(unclosed"), ("ebnf_grammar", "root ::= ")])
+def test_bad_constraint_is_invalid_argument(grpc_stub, story, kind, spec):
+    sp = sampling(max_new_tokens=4)
+    setattr(sp, kind, spec)
+    with pytest.raises(grpc.RpcError) as ei:
+        generate(grpc_stub, make_request(story, params=sp), timeout=60)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"invalid {kind}" in ei.value.details(), ei.value.details()

@@ -399,3 +399,20 @@ def test_sampler_cost_mixed_vs_greedy(capsys):
 
     with capsys.disabled():
         print(f"\nsampler step, 64 rows x 49152: all-greedy {cost(greedy):.2f} ms, mixed params {cost(mixed):.2f} ms")
+
+
+# -- grammar bitmask ---------------------------------------------------------------------------
+
+
+def test_bitmask_torch_path_matches_xgrammar():
+    from kernels.sampling import _apply_bitmask_torch, apply_bitmask
+
+    g = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, (V + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+    logits = logits_of(3)
+    a, b = logits.clone(), logits.clone()
+    apply_bitmask(a, bitmask, [0, 2])
+    _apply_bitmask_torch(b, bitmask, [0, 2])
+    assert torch.equal(a, b) and torch.equal(a[1], logits[1])
+    bit = lambda row, t: (int(bitmask[row, t // 32]) >> (t % 32)) & 1  # noqa: E731
+    assert all((a[0, t] == float("-inf")) == (bit(0, t) == 0) for t in range(V))

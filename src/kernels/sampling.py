@@ -4,7 +4,7 @@ Every row carries its own parameters, so requests with different settings share 
 step; nothing here loops over rows in Python except the seeded rows' uniform draws.
 
 Order of the transforms (as vLLM / SGLang): penalties (repetition, then frequency and
-presence), logit bias, the min_new_tokens stop mask (and a grammar's token bitmask).
+presence), logit bias, the min_new_tokens stop mask, a grammar's token bitmask.
 Greedy rows then take the argmax; the others are temperature-scaled and sampled from
 the distribution filtered by top-k, top-p and min-p with SGLang's semantics: a token
 stays if fewer than k tokens are more likely, the probability mass of the tokens more
@@ -108,6 +108,7 @@ class SamplingTensors:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, values
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, token ids -> -inf
     allowed_bitmask: torch.Tensor | None = None  # [N, ceil(V/32)] int32 (grammars); unconstrained rows all -1
+    bitmask_rows: list[int] = field(default_factory=list)  # the constrained rows
     # (row among the sampling rows, its CPU generator): seeded rows draw their own uniforms
     seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)
     random_rows: torch.Tensor | None = None  # batch rows that sample (None: all of them)
@@ -180,12 +181,30 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
         flat[pen.out_index] = flat[pen.out_index] - pen.presence
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Tokens whose bit is 0 in the int32 bitmask [N, ceil(V/32)] go to -inf."""
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+    """Tokens whose bit is 0 in the int32 bitmask [N, ceil(V/32)] go to -inf (only in
+    ``rows`` when given). xgrammar's kernel when it is installed, else torch."""
+    if logits.device.type in ("cpu", "cuda"):
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            pass
+        else:
+            xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+            return
+    _apply_bitmask_torch(logits, bitmask, rows)
+
+
+def _apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None) -> None:
+    idx = torch.tensor(rows, device=logits.device) if rows is not None else None
+    mask = bitmask[idx] if idx is not None else bitmask
     vocab = logits.shape[1]
     bits = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().view(bitmask.shape[0], -1)[:, :vocab]
-    logits.masked_fill_(~allowed, float("-inf"))
+    allowed = ((mask.unsqueeze(-1) >> bits) & 1).bool().view(mask.shape[0], -1)[:, :vocab]
+    if idx is None:
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 
 
 def _uniforms(n: int, device, generator, seeded: list[tuple[int, torch.Generator]], rows=None) -> torch.Tensor:
@@ -277,7 +296,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors, generator: torch.Gener
         rows, cols = params.banned
         logits.index_put_((rows, cols), torch.tensor(float("-inf"), device=logits.device))
     if params.allowed_bitmask is not None:
-        apply_bitmask(logits, params.allowed_bitmask)
+        apply_bitmask(logits, params.allowed_bitmask, params.bitmask_rows or None)
     if params.all_greedy:
         return argmax_rows(logits)
 

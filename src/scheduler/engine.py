@@ -71,8 +71,22 @@ class Engine:
             except Exception as e:  # noqa: BLE001  (no tokenizer: refuse rather than ignore the stops)
                 raise AdmissionError("FAILED_PRECONDITION", f"stop strings need the tokenizer: {e}") from e
             checker = StopStringChecker(tokenizer, msg.sampling.stop, msg.input_ids, trim=not msg.sampling.no_stop_trim)
+        grammar = None
+        if msg.sampling.constraint_kind:
+            from .grammar import GrammarBackend, GrammarError
+
+            try:
+                backend = GrammarBackend.get(
+                    self.runner.model_path, self.runner.model_config.vocab_size, sorted(self.scheduler.eos_token_ids)
+                )
+                grammar = backend.matcher(msg.sampling.constraint_kind, msg.sampling.constraint)
+            except GrammarError as e:
+                raise AdmissionError("INVALID_ARGUMENT", str(e)) from e
+            except Exception as e:  # noqa: BLE001  (no xgrammar / tokenizer)
+                raise AdmissionError("FAILED_PRECONDITION", f"structured output is unavailable: {e}") from e
         req = self.scheduler.add_request(msg)
         req.stop_checker = checker
+        req.grammar = grammar
         self.stats.num_prompt_tokens += req.num_prompt_tokens
         return req
 

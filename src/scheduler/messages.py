@@ -39,6 +39,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] = []
     logprob_start_len: int = -1
+    # Structured output: "json_schema" | "regex" | "ebnf_grammar" | "structural_tag" ("" = none)
+    constraint_kind: str = ""
+    constraint: str = ""
 
     @property
     def greedy(self) -> bool:

@@ -82,7 +82,7 @@ class Request:
         self.num_visible_outputs: int | None = None  # set when a matched stop string is trimmed
         self.stop_checker = None  # StopStringChecker, attached by the engine when stop strings are sent
         self.sampler_state = None  # owned by the sampler (seeded generator, token-id buffer)
-        self.grammar = None  # owned by the sampler (structured output matcher)
+        self.grammar = None  # xgrammar GrammarMatcher (structured output), attached by the engine
         # Logprobs (sampling.return_logprob): output rows in step with the output tokens.
         self.output_logprobs = LogprobLists() if sampling.return_logprob else None
         self.input_logprobs: LogprobLists | None = None
@@ -148,6 +148,10 @@ class Request:
         self.token_ids.append(token_id)
         n = self.num_output_tokens
         if token_id in self.stop_ids and n > self.sampling.min_new_tokens:
+            self.finish("stop", matched_token_id=token_id)
+            return
+        if self.grammar is not None and self.grammar.is_terminated():
+            # the grammar is complete and took its stop token (e.g. EOS under ignore_eos)
             self.finish("stop", matched_token_id=token_id)
             return
         if self.stop_checker is not None:

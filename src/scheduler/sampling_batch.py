@@ -8,6 +8,8 @@ The model runner calls :meth:`BatchSampler.run` after the forward pass. It
   (row, token) indices from per-request token-id buffers (only rows that have penalties;
   cost in the number of tokens, not rows x vocab), sparse logit bias, the min_new_tokens
   stop mask, seeded generators;
+* masks grammar-constrained rows with their xgrammar token bitmask (and feeds the
+  sampled token back to the matcher);
 * samples every row in one vectorised pass (kernels.sampling), or takes the plain
   argmax when every row is greedy with nothing to apply;
 * records logprobs (of the raw logits, before any sampling transform) on the requests.
@@ -15,12 +17,15 @@ The model runner calls :meth:`BatchSampler.run` after the forward pass. It
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kernels.sampling import Penalties, SamplingTensors, argmax_rows, sample, token_logprobs
 
 from .request import Request
 
+logger = logging.getLogger(__name__)
 INPUT_LOGPROB_SLICE = 512  # prompt rows per LM-head slice (bounds the [rows, vocab] logits)
 
 
@@ -77,7 +82,12 @@ class BatchSampler:
             tokens = sample(logits.float(), params, self.generator)
         if lp_rows:
             self._record_output_logprobs([sampling[i] for i in lp_rows], logprobs, tokens[lp_rows])
-        return tokens.tolist()
+        out = tokens.tolist()
+        if params.allowed_bitmask is not None:
+            for i in params.bitmask_rows:
+                if not sampling[i].grammar.accept_token(out[i]):
+                    logger.warning("grammar rejected token %d of %s", out[i], sampling[i].request_id)
+        return out
 
     # -- sampling tensors --------------------------------------------------------------
     def build(self, reqs: list[Request]) -> SamplingTensors:
@@ -86,7 +96,7 @@ class BatchSampler:
         pen_rows, rep, freq, pres, out_tokens, prompt_tokens = [], [], [], [], [], []
         bias_rows, bias_cols, bias_vals = [], [], []
         ban_rows, ban_cols = [], []
-        seeded = []
+        seeded, grammar_rows = [], []
         any_min_p = False
         for i, req in enumerate(reqs):
             sp = req.sampling
@@ -118,7 +128,17 @@ class BatchSampler:
                     st.generator = torch.Generator()
                     st.generator.manual_seed(sp.seed & 0xFFFF_FFFF_FFFF_FFFF)
                 seeded.append((i, st.generator))
+            if req.grammar is not None:
+                grammar_rows.append(i)
         extra = {}
+        if grammar_rows:
+            from .grammar import allocate_bitmask
+
+            bitmask = allocate_bitmask(len(reqs), vocab)  # all ones: unconstrained rows keep everything
+            for i in grammar_rows:
+                reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
+            extra["allowed_bitmask"] = bitmask.to(dev)
+            extra["bitmask_rows"] = grammar_rows
         if pen_rows:
             extra["penalties"] = Penalties.build(pen_rows, rep, freq, pres, out_tokens, prompt_tokens, vocab, dev)
         if bias_rows:

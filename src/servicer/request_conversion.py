@@ -59,6 +59,10 @@ def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
         if math.isnan(value):
             raise InvalidRequest(f"sampling_params.logit_bias[{key}] is NaN")
         logit_bias[token] = float(value)
+    constraint_kind = sp.WhichOneof("constraint") or ""
+    constraint = getattr(sp, constraint_kind) if constraint_kind else ""
+    if constraint_kind and not constraint.strip():
+        raise InvalidRequest(f"sampling_params.{constraint_kind} is empty")
     return SamplingParams(
         temperature=temperature,
         top_p=top_p,
@@ -75,6 +79,8 @@ def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
         logit_bias=logit_bias,
         stop=[x for x in sp.stop if x],
         no_stop_trim=sp.no_stop_trim,
+        constraint_kind=constraint_kind,
+        constraint=constraint,
     )
 
 

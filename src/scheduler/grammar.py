@@ -1,0 +1,106 @@
+"""Structured output with xgrammar: json_schema / regex / ebnf_grammar / structural_tag
+constraints compiled per request (with xgrammar's cache), one GrammarMatcher per request.
+
+The sampler fills a token bitmask row for every constrained row of a step and masks
+the logits with it; the sampled token is then fed to the matcher. Compilation runs in
+the scheduler process at admission (milliseconds for typical schemas; the tokenizer
+and the compiler are built once, on the first constrained request). A constraint that
+does not compile refuses the request with INVALID_ARGUMENT and xgrammar's reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("json_schema", "regex", "ebnf_grammar", "structural_tag")
+
+
+class GrammarError(ValueError):
+    """The constraint does not compile (the message says why)."""
+
+
+def _clean(e: Exception) -> str:
+    """xgrammar's messages start with a timestamp and a C++ source location: drop them."""
+    text = str(e).strip()
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text).split("\n")[0].strip() or type(e).__name__
+
+
+class GrammarBackend:
+    """The compiler for one model (tokenizer vocabulary), built lazily."""
+
+    _instances: dict[tuple, "GrammarBackend"] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, model_path: str, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar as xgr
+
+        from .stop_strings import load_tokenizer
+
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(
+            load_tokenizer(model_path), vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
+        )
+        self.compiler = xgr.GrammarCompiler(info, max_threads=min(os.cpu_count() or 1, 8))
+
+    @classmethod
+    def get(cls, model_path: str, vocab_size: int, stop_token_ids) -> "GrammarBackend":
+        key = (model_path, vocab_size, tuple(stop_token_ids))
+        with cls._lock:
+            backend = cls._instances.get(key)
+            if backend is None:
+                logger.info("building the xgrammar compiler")
+                backend = cls._instances[key] = cls(model_path, vocab_size, stop_token_ids)
+            return backend
+
+    def compile(self, kind: str, spec: str):
+        c = self.compiler
+        try:
+            if kind == "json_schema":
+                return c.compile_json_schema(spec)
+            if kind == "regex":
+                return c.compile_regex(spec)
+            if kind == "ebnf_grammar":
+                return c.compile_grammar(spec)
+            if kind == "structural_tag":
+                return self._structural_tag(spec)
+        except GrammarError:
+            raise
+        except Exception as e:  # noqa: BLE001  (xgrammar raises RuntimeError and friends)
+            raise GrammarError(f"invalid {kind}: {_clean(e)}") from e
+        raise GrammarError(f"unknown constraint kind {kind!r}")
+
+    def _structural_tag(self, spec: str):
+        import xgrammar as xgr
+
+        try:
+            data = json.loads(spec)
+        except ValueError as e:
+            raise GrammarError(f"invalid structural_tag: not JSON: {e}") from e
+        if isinstance(data, dict) and "structures" in data:  # SGLang / OpenAI legacy form
+            tags = [
+                xgr.StructuralTagItem(
+                    begin=s["begin"],
+                    schema=json.dumps(s.get("schema", s.get("parameters", {}))),
+                    end=s["end"],
+                )
+                for s in data["structures"]
+            ]
+            return self.compiler.compile_structural_tag(tags, list(data.get("triggers", [])))
+        return self.compiler.compile_structural_tag(spec)
+
+    def matcher(self, kind: str, spec: str):
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(self.compile(kind, spec))
+
+
+def allocate_bitmask(rows: int, vocab_size: int):
+    import xgrammar as xgr
+
+    return xgr.allocate_token_bitmask(rows, vocab_size)
