@@ -26,9 +26,13 @@ whatever else shares its batch, on any device.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
+
+logger = logging.getLogger(__name__)
+_xgrammar_kernel_ok = True  # cleared after the first failure of xgrammar's bitmask kernel
 
 MAX_REJECTION_ROUNDS = 32  # then a still-rejected row takes its most likely token (always kept)
 MIN_TEMPERATURE = 1e-5  # temperatures below this sample like greedy (dividing by them overflows)
@@ -184,14 +188,16 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
     """Tokens whose bit is 0 in the int32 bitmask [N, ceil(V/32)] go to -inf (only in
     ``rows`` when given). xgrammar's kernel when it is installed, else torch."""
-    if logits.device.type in ("cpu", "cuda"):
+    global _xgrammar_kernel_ok
+    if _xgrammar_kernel_ok and logits.device.type in ("cpu", "cuda"):
         try:
             import xgrammar as xgr
-        except ImportError:
-            pass
-        else:
+
             xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
             return
+        except Exception as e:  # noqa: BLE001  (no xgrammar, or no kernel for this setup)
+            _xgrammar_kernel_ok = False
+            logger.warning("xgrammar's bitmask kernel is unavailable (%s); using the torch path", e)
     _apply_bitmask_torch(logits, bitmask, rows)
 
 
