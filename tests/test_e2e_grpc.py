@@ -234,6 +234,32 @@ def test_concurrent_generate_batches(grpc_stub, tokenizer):
     assert t_conc < t_seq, f"16 concurrent requests ({t_conc:.2f} s) no faster than one by one ({t_seq:.2f} s)"
 
 
+def test_64_concurrent_requests_finish_and_free_their_kv(grpc_stub):
+    """64 requests in flight at once (more than max_running_requests=32): all finish with
+    their own lengths, and afterwards the pool holds no block (GetLoads)."""
+    import random
+
+    rng = random.Random(7)
+    work = [([rng.randint(100, 49000) for _ in range(rng.randint(8, 40))], rng.randint(4, 12)) for _ in range(64)]
+
+    def run(item):
+        ids, n = item
+        return one_complete(grpc_stub, make_request(ids, max_new_tokens=n, ignore_eos=True))
+
+    with ThreadPoolExecutor(len(work)) as ex:
+        completes = list(ex.map(run, work))
+    assert [c.completion_tokens for c in completes] == [n for _, n in work]
+    assert all(c.finish_reason == "length" for c in completes)
+    assert wait_idle(grpc_stub) == 0
+    deadline = time.monotonic() + 5
+    while True:  # the load snapshot trails the last step by at most one heartbeat
+        load = grpc_stub.GetLoads(pb.GetLoadsRequest(include=["core"]), timeout=10).loads[0]
+        if load.num_used_tokens == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert load.num_used_tokens == 0, f"{load.num_used_tokens} KV tokens still held after all requests ended"
+
+
 @pytest.mark.parametrize("n", [1, 5])
 @pytest.mark.parametrize("stream", [False, True])
 def test_max_new_tokens_gives_length(grpc_stub, story, n, stream):

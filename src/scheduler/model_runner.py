@@ -123,7 +123,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int]:
         """Run one step; returns a sampled token for every request that samples, in order."""
-        input_ids, positions, query_lens, seq_lens, tables, sample_rows, samplers = [], [], [], [], [], [], []
+        input_ids, positions, query_lens, seq_lens, tables, sample_rows = [], [], [], [], [], []
         offset = 0
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
@@ -133,9 +133,8 @@ class ModelRunner:
             seq_lens.append(start + n)
             tables.append(req.block_ids)
             offset += n
-            if start + n == req.num_tokens:
+            if start + n == req.num_tokens:  # all known tokens computed: this row samples
                 sample_rows.append(offset - 1)
-                samplers.append(req.sampling)
         dev = self.device
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.cat([torch.arange(a, b) for a, b in positions]).to(dev)
