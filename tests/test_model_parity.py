@@ -11,7 +11,6 @@ one batch, then decoded together, one token per step (decodes first, as the engi
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest

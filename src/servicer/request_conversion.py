@@ -111,16 +111,7 @@ def to_add_request(request, model_info: dict) -> AddRequest:
         sampling.top_logprobs_num = min(request.top_logprobs_num, vocab)
         sampling.token_ids_logprob = list(request.token_ids_logprob)
         sampling.logprob_start_len = request.logprob_start_len
-    context = model_info["max_context_length"]
-    if len(input_ids) >= context:
-        raise InvalidRequest(
-            f"the prompt has {len(input_ids)} tokens; the context limit is {context}, so it must be shorter"
-        )
-    if sampling.max_new_tokens is not None and len(input_ids) + sampling.max_new_tokens > context:
-        raise InvalidRequest(
-            f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
-            f"exceeds the context limit of {context} tokens"
-        )
+    # Length limits (context and KV capacity) are checked once, by the scheduler's admission.
     salt = ""
     sp = request.sampling_params
     if sp.HasField("custom_params") and "cache_salt" in sp.custom_params.fields:
