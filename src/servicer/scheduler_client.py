@@ -178,9 +178,6 @@ class SchedulerClient:
                     logger.exception("KV event listener failed")
 
     # -- requests --------------------------------------------------------------------
-    def in_flight(self, request_id: str) -> bool:
-        return request_id in self._requests
-
     def in_flight_ids(self) -> list[str]:
         return list(self._requests)
 
