@@ -38,6 +38,7 @@ class PrefillSegment:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat slot per query token (-1 = padding, not stored)
+    positions: torch.Tensor | None = None  # [T] position of every query token (for rope)
     block_size: int = 16
     num_decodes: int = 0  # decode requests come first, one token each
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
@@ -82,7 +83,9 @@ class AttentionMetadata:
         pos = (seq - qlen)[req_of_token] + torch.arange(int(qlen.sum())) - starts[req_of_token]
         slot_mapping = table[req_of_token, pos // block_size] * block_size + pos % block_size
 
-        meta = AttentionMetadata(slot_mapping=slot_mapping.to(device), block_size=block_size, num_decodes=num_decodes)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(device), positions=pos.to(device), block_size=block_size, num_decodes=num_decodes
+        )
         if num_decodes:
             meta.decode_block_tables = table[:num_decodes].to(device)
             meta.decode_seq_lens = seq[:num_decodes].to(device)

@@ -123,12 +123,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int]:
         """Run one step; returns a sampled token for every request that samples, in order."""
-        input_ids, positions, query_lens, seq_lens, tables, sample_rows = [], [], [], [], [], []
+        input_ids, query_lens, seq_lens, tables, sample_rows = [], [], [], [], []
         offset = 0
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
             input_ids.extend(req.token_ids[start : start + n])
-            positions.append((start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(req.block_ids)
@@ -137,9 +136,8 @@ class ModelRunner:
                 sample_rows.append(offset - 1)
         dev = self.device
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.cat([torch.arange(a, b) for a, b in positions]).to(dev)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, dev)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
+        hidden = self.model(ids, meta.positions, self.kv_caches, meta)
         # LM head on the sampling rows (and prompt-logprob rows), sampling, logprobs.
         return self.sampler.run(batch.requests, batch.num_new_tokens, hidden, sample_rows)
 
