@@ -104,6 +104,14 @@ def test_mixed_batch_tilings(block_m, tile_n):
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("num_splits,tile_n", [(2, 16), (4, 16), (8, 32)])
+def test_split_kv(num_splits, tile_n):
+    """Flash-decoding: keys split over several programs, partial softmax states merged. Splits
+    past a request's keys stay empty; the mixed batch covers prefills and a pad too."""
+    out, ref, _, _, _ = _run_step(8, 2, 64, torch.float32, tile_n=tile_n, seed=4, num_splits=num_splits)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
 def test_mixed_batch_prefill_heuristic():
     """max_query_len switches to 64-row query tiles and 32-key tiles."""
     out, ref, _, _, _ = _run_step(4, 4, 64, torch.float32, seed=8, max_query_len=max(MIXED_QLENS))
@@ -258,14 +266,19 @@ def compile(fn, types, consts):
     return k
 
 
-attn = ta._kernels()
-kv, rms, rot = to._kernels()
+attn, combine = ta._kernels()
+kv, rms, rot, qkv, silu = to._kernels()
 for dt, g, bm, tn in (("bf16", 4, 16, 16), ("bf16", 4, 64, 32), ("fp16", 1, 64, 32), ("fp32", 3, 16, 16)):
     g_pad, bq, bm = ta.tile_shape(g * 2, 2, bm)
     types = dict(q_ptr="*" + dt, k_cache_ptr="*" + dt, v_cache_ptr="*" + dt, out_ptr="*" + dt,
-                 block_tables_ptr="*i32", query_start_loc_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32")
-    k = compile(attn, types, dict(BLOCK_SIZE=16, G=g, G_PAD=g_pad, BLOCK_Q=bq, BLOCK_M=bm, TILE_N=tn,
-                                  HEAD_DIM=128, HEAD_PAD=128, DOT_PRECISION="ieee" if dt == "fp32" else "tf32"))
+                 block_tables_ptr="*i64", query_start_loc_ptr="*i64", seq_lens_ptr="*i64", qk_scale="fp32",
+                 part_acc_ptr="*fp32", part_ml_ptr="*fp32")
+    for splits in (1, 8):
+        k = compile(attn, types, dict(BLOCK_SIZE=16, G=g, G_PAD=g_pad, BLOCK_Q=bq, BLOCK_M=bm, TILE_N=tn,
+                                      HEAD_DIM=128, HEAD_PAD=128, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
+                                      NUM_SPLITS=splits))
+    compile(combine, dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr="*" + dt),
+            dict(H=16, NUM_SPLITS=8, HEAD_DIM=128, HEAD_PAD=128))
     if dt != "fp32":
         assert "wgmma" in k.asm["ptx"] or "mma.sync" in k.asm["ptx"], "attention dots must use tensor cores"
 bf = {n: "*bf16" for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "x_ptr", "res_ptr", "w_ptr",
@@ -274,6 +287,14 @@ compile(kv, dict(bf, slot_ptr="*i64"), dict(NUM_HEADS=8, HEAD_DIM=128, HEADS_PAD
 for res in (False, True):
     compile(rms, dict(bf, eps="fp32"), dict(HAS_RESIDUAL=res, BLOCK=4096))
 compile(rot, dict(bf, cos_ptr="*fp32", sin_ptr="*fp32"), dict(NUM_HEADS=32, HALF=64, HEADS_PAD=32, HALF_PAD=64))
+for norm in (False, True):
+    compile(qkv, dict(qkv_ptr="*bf16", q_out_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", slot_ptr="*i64",
+                      cos_ptr="*fp32", sin_ptr="*fp32", qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32"),
+            dict(H=16, KVH=8, H_PAD=16, KVH_PAD=8, HALF=64, BLOCK_SIZE=16, HAS_NORM=norm))
+compile(silu, dict(x_ptr="*bf16", out_ptr="*bf16"), dict(BLOCK=1024))
+from kernels import triton_sampling as ts
+compile(ts._kernel(), dict(logits_ptr="*bf16", temp_ptr="*fp32", best_val_ptr="*fp32", best_idx_ptr="*i64",
+                           seed="i32", vocab="i32", stride_row="i32"), dict(NUM_SLICES=38, BLOCK=4096))
 print("ok")
 """
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -44,6 +45,12 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # The varlen form the Triton kernel reads (build_varlen): any order of requests.
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] int64
+    query_start_loc: torch.Tensor | None = None  # [B + 1] int64
+    seq_lens: torch.Tensor | None = None  # [B] int64, KV length after this step
+    max_query_len: int = 0
+    num_splits: int = 1  # split-KV factor of the Triton kernel (small decode batches)
     _decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def decode_gather(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,6 +108,51 @@ class AttentionMetadata:
             meta.prefills.append(PrefillSegment(q_start, q_start + q_len, slots.to(device), mask))
             q_start += q_len
         return meta
+
+
+def varlen_arrays(
+    query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> tuple[np.ndarray, ...]:
+    """Host int64 arrays ``(slot_mapping [T], positions [T], query_start_loc [B+1],
+    seq_lens [B], block_tables [B, W])`` of a batch (numpy: a few µs per request)."""
+    qlen = np.asarray(query_lens, dtype=np.int64)
+    seq = np.asarray(seq_lens, dtype=np.int64)
+    width = max(1, max((len(t) for t in block_tables), default=0))
+    table = np.zeros((len(block_tables), width), dtype=np.int64)
+    for i, row in enumerate(block_tables):
+        table[i, : len(row)] = row
+    qsl = np.zeros(len(qlen) + 1, dtype=np.int64)
+    np.cumsum(qlen, out=qsl[1:])
+    req = np.repeat(np.arange(len(qlen)), qlen)
+    pos = (seq - qlen)[req] + np.arange(int(qsl[-1])) - qsl[:-1][req]
+    slots = table[req, pos // block_size] * block_size + pos % block_size
+    return slots, pos, qsl, seq, table
+
+
+def build_varlen(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str,
+    num_splits: int = 1,
+) -> AttentionMetadata:
+    """Metadata for the unified (Triton) kernel: everything packed into one host array and
+    moved to the device in a single copy; the fields are views of it."""
+    slots, pos, qsl, seq, table = varlen_arrays(query_lens, seq_lens, block_tables, block_size)
+    packed = torch.from_numpy(np.concatenate([slots, pos, qsl, seq, table.ravel()])).to(device, non_blocking=True)
+    t, b = len(slots), len(seq)
+    cut = np.cumsum([t, t, b + 1, b])
+    return AttentionMetadata(
+        slot_mapping=packed[: cut[0]],
+        positions=packed[cut[0] : cut[1]],
+        block_size=block_size,
+        query_start_loc=packed[cut[1] : cut[2]],
+        seq_lens=packed[cut[2] : cut[3]],
+        block_tables=packed[cut[3] :].view(b, table.shape[1]),
+        max_query_len=max(query_lens, default=0),
+        num_splits=num_splits,
+    )
 
 
 def store_kv(

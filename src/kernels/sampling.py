@@ -118,6 +118,7 @@ class SamplingTensors:
     random_rows: torch.Tensor | None = None  # batch rows that sample (None: all of them)
     greedy_rows: torch.Tensor | None = None  # the other rows, when random_rows is set
     num_rows: int = 0
+    fused_temperature: torch.Tensor | None = None  # [N] (0: greedy) when a temperature is all rows need
 
     @property
     def plain_greedy(self) -> bool:

@@ -66,10 +66,12 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # num_seqs varies every step: specialising on it (== 1, % 16) would recompile mid-run.
+    @triton.jit(do_not_specialize=["num_seqs"])
     def _unified_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+        part_acc_ptr, part_ml_ptr,  # split-KV partials: [T, H, NUM_SPLITS, HEAD_PAD] and [T, H, NUM_SPLITS, 2] fp32
         qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
         num_seqs,
         stride_qt, stride_qh,
@@ -86,9 +88,11 @@ def _kernels():
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,  # next power of two >= HEAD_DIM
         DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else "tf32"
+        NUM_SPLITS: tl.constexpr,  # > 1: this program covers one slice of the keys (flash-decoding)
     ):
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
 
         # Binary search: the largest r with query_start_loc[r] // BLOCK_Q + r <= tile.
         # (Inlined: a lazily built kernel cannot call a sibling @jit closure.)
@@ -132,7 +136,13 @@ def _kernels():
         table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
         cols = tl.arange(0, TILE_N)
 
-        for j in range(0, num_tiles):
+        tile_lo = 0
+        tile_hi = num_tiles
+        if NUM_SPLITS > 1:
+            per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+            tile_lo = split * per_split
+            tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+        for j in range(tile_lo, tile_hi):
             kpos = j * TILE_N + cols
             k_ok = kpos < kv_end
             block = tl.load(table_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
@@ -155,12 +165,38 @@ def _kernels():
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # no visible key (seq_len 0 pad): write zeros
-        out = acc / l_safe[:, None]
-        o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        if NUM_SPLITS > 1:  # unnormalised partials; _combine_splits_kernel merges them
+            part = ((q_start + tok).to(tl.int64) * (G * tl.num_programs(1)) + head) * NUM_SPLITS + split
+            tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=row_ok[:, None])
+            tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+        else:
+            l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # no visible key (seq_len 0 pad): write zeros
+            out = acc / l_safe[:, None]
+            o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+            tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
-    return _unified_attention_kernel
+    @triton.jit
+    def _combine_splits_kernel(
+        part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
+        H: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        splits = tl.arange(0, NUM_SPLITS)
+        dims = tl.arange(0, HEAD_PAD)
+        base = (t * H + h) * NUM_SPLITS
+        m = tl.load(part_ml_ptr + (base + splits) * 2)
+        l = tl.load(part_ml_ptr + (base + splits) * 2 + 1)
+        m_max = tl.max(m, 0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.where(l > 0.0, tl.exp2(m - m_max), 0.0)  # empty splits (no keys) weigh nothing
+        acc = tl.load(part_acc_ptr + (base + splits)[:, None] * HEAD_PAD + dims[None, :])
+        total = tl.sum(l * w, 0)
+        out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+        tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+    return _unified_attention_kernel, _combine_splits_kernel
 
 
 def tile_shape(num_heads: int, num_kv_heads: int, block_m: int | None = None) -> tuple[int, int, int]:
@@ -168,6 +204,12 @@ def tile_shape(num_heads: int, num_kv_heads: int, block_m: int | None = None) ->
     g_pad = _next_pow2(num_heads // num_kv_heads)
     block_m = max(16, g_pad, _next_pow2(block_m or 16))  # tl.dot needs >= 16 rows
     return g_pad, block_m // g_pad, block_m
+
+
+def decode_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
+    """Split-KV factor for a decode batch: enough programs for ~4 per SM, a power of two."""
+    want = -(-4 * num_sms // max(1, batch * num_kv_heads))
+    return min(max_splits, _next_pow2(want)) if want > 1 else 1
 
 
 def num_query_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
@@ -203,6 +245,8 @@ def unified_attention(
     block_m: int | None = None,
     tile_n: int | None = None,
     max_query_len: int | None = None,
+    num_splits: int = 1,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Paged attention of ``q [T, H, D]`` over the cache; see the module docstring.
 
@@ -213,7 +257,11 @@ def unified_attention(
     ``B + 1`` entries whose last is at most ``T``.
     ``max_query_len`` (a host int the runner already knows; never read from the device): when
     given and ``block_m`` is not, prefill-heavy steps get 64-row tiles and 32-key tiles,
-    decode-only steps (max_query_len 1) keep 16 rows.
+    decode-only steps (max_query_len 1) keep 16 rows and take 128-key tiles.
+    ``num_splits`` (a power of two): each (query tile, KV head) is split along the keys into
+    this many programs whose partial softmax states are merged by a second kernel
+    (flash-decoding); use it when the batch alone does not fill the GPU (small decode batches).
+    Static per call site, so CUDA graphs capture it.
     """
     T, H, D = q.shape
     _, block_size, KVH, Dk = k_cache.shape
@@ -229,13 +277,24 @@ def unified_attention(
     g = H // KVH
     if block_m is None and max_query_len is not None and max_query_len * _next_pow2(g) >= 64:
         block_m, tile_n = 64, tile_n or max(32, block_size)
+    elif max_query_len == 1:  # measured on an H100: 128-key tiles, 4 warps in every batch size
+        tile_n, num_warps = tile_n or 128, num_warps or 4
     g_pad, block_q, bm = tile_shape(H, KVH, block_m)
     tile_n = max(16, _next_pow2(tile_n or block_size))
-    kernel = _kernels()
-    grid = (num_query_tiles(T, B, block_q), KVH)
+    kernel, combine = _kernels()
+    grid = (num_query_tiles(T, B, block_q), KVH, num_splits)
+    head_pad = _next_pow2(D)
+    if num_splits > 1:
+        assert num_splits == _next_pow2(num_splits), "num_splits must be a power of two"
+        part_acc = torch.empty((T, H, num_splits, head_pad), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((T, H, num_splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    extra = {"num_warps": num_warps} if num_warps else {}
     kernel[grid](
         q, k_cache, v_cache, out,
         block_tables, query_start_loc, seq_lens,
+        part_acc, part_ml,
         float(scale) * 1.4426950408889634,
         B,
         q.stride(0), q.stride(1),
@@ -250,7 +309,12 @@ def unified_attention(
         BLOCK_M=bm,
         TILE_N=tile_n,
         HEAD_DIM=D,
-        HEAD_PAD=_next_pow2(D),
+        HEAD_PAD=head_pad,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_SPLITS=num_splits,
+        **extra,
     )
+    if num_splits > 1:
+        combine[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1),
+                        H=H, NUM_SPLITS=num_splits, HEAD_DIM=D, HEAD_PAD=head_pad)
     return out

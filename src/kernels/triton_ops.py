@@ -16,6 +16,11 @@ Each mirrors a torch reference and returns the same thing:
 - :func:`apply_rotary` (``rotary.apply_rotary``): rotate-half ("neox") RoPE; ``cos``/``sin``
   are ``[T, D/2]`` fp32 rows already gathered by position. Grid ``(T,)`` per tensor: a program
   rotates all heads of one token, loading its cos/sin row once. Math in fp32.
+- :func:`qkv_rope_store` (``reference_qkv_rope_store``): everything between the fused qkv
+  GEMM and attention in one launch: split, Qwen3's per-head q/k RMSNorm (optional), rope on
+  q and k, and the KV store; returns q contiguous. Grid ``(T,)``. At batch 1 a layer is
+  launch-bound, so one kernel instead of 5-7 matters.
+- :func:`silu_and_mul` (``activation.silu_and_mul``): ``silu(gate) * up`` in one pass.
 
 Import-safe without triton or a GPU: triton is imported lazily on first call (kernels are
 built once, so ``TRITON_INTERPRET`` must be set before the first call to take effect).
@@ -107,7 +112,78 @@ def _kernels():
         tl.store(dst, (x1 * cos - x2 * sin).to(ty), mask=mask)
         tl.store(dst + HALF, (x2 * cos + x1 * sin).to(ty), mask=mask)
 
-    return _store_kv_kernel, _rms_norm_kernel, _rotary_kernel
+    @triton.jit
+    def _qkv_rope_store_kernel(
+        qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+        stride_t, stride_qo, stride_ct, stride_st,
+        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+        eps,
+        H: tl.constexpr, KVH: tl.constexpr, H_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
+        HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        dims = tl.arange(0, HALF)
+        ty = q_out_ptr.dtype.element_ty
+        cos = tl.load(cos_ptr + t * stride_ct + dims)[None, :]
+        sin = tl.load(sin_ptr + t * stride_st + dims)[None, :]
+        row = qkv_ptr + t * stride_t
+        D: tl.constexpr = 2 * HALF
+
+        # q: [H, D] = heads 0..H-1 of the row
+        qh = tl.arange(0, H_PAD)
+        qm = (qh < H)[:, None]
+        q1 = tl.load(row + qh[:, None] * D + dims[None, :], mask=qm, other=0.0)
+        q2 = tl.load(row + qh[:, None] * D + HALF + dims[None, :], mask=qm, other=0.0)
+        if HAS_NORM:
+            q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
+            rstd = 1.0 / tl.sqrt((tl.sum(q1f * q1f, 1) + tl.sum(q2f * q2f, 1)) / D + eps)[:, None]
+            w1 = tl.load(qw_ptr + dims).to(tl.float32)[None, :]
+            w2 = tl.load(qw_ptr + HALF + dims).to(tl.float32)[None, :]
+            q1 = ((q1f * rstd).to(ty).to(tl.float32) * w1).to(ty)
+            q2 = ((q2f * rstd).to(ty).to(tl.float32) * w2).to(ty)
+        q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
+        dst = q_out_ptr + t * stride_qo + qh[:, None] * D + dims[None, :]
+        tl.store(dst, (q1f * cos - q2f * sin).to(ty), mask=qm)
+        tl.store(dst + HALF, (q2f * cos + q1f * sin).to(ty), mask=qm)
+
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            block = slot // BLOCK_SIZE
+            pos = slot % BLOCK_SIZE
+            kh = tl.arange(0, KVH_PAD)
+            km = (kh < KVH)[:, None]
+            kbase = row + (H + kh[:, None]) * D + dims[None, :]
+            k1 = tl.load(kbase, mask=km, other=0.0)
+            k2 = tl.load(kbase + HALF, mask=km, other=0.0)
+            if HAS_NORM:
+                k1n, k2n = k1.to(tl.float32), k2.to(tl.float32)
+                k_rstd = 1.0 / tl.sqrt((tl.sum(k1n * k1n, 1) + tl.sum(k2n * k2n, 1)) / D + eps)[:, None]
+                kw1 = tl.load(kw_ptr + dims).to(tl.float32)[None, :]
+                kw2 = tl.load(kw_ptr + HALF + dims).to(tl.float32)[None, :]
+                k1 = ((k1n * k_rstd).to(ty).to(tl.float32) * kw1).to(ty)
+                k2 = ((k2n * k_rstd).to(ty).to(tl.float32) * kw2).to(ty)
+            k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
+            kc = k_cache_ptr + block * stride_kcb + pos * stride_kcs + kh[:, None] * stride_kch + dims[None, :]
+            cty = k_cache_ptr.dtype.element_ty
+            tl.store(kc, (k1f * cos - k2f * sin).to(ty).to(cty), mask=km)
+            tl.store(kc + HALF, (k2f * cos + k1f * sin).to(ty).to(cty), mask=km)
+            vbase = row + (H + KVH + kh[:, None]) * D + dims[None, :]
+            vc = v_cache_ptr + block * stride_vcb + pos * stride_vcs + kh[:, None] * stride_vch + dims[None, :]
+            tl.store(vc, tl.load(vbase, mask=km).to(cty), mask=km)
+            tl.store(vc + HALF, tl.load(vbase + HALF, mask=km).to(cty), mask=km)
+
+    @triton.jit
+    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < N
+        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_x + N + cols, mask=mask, other=0.0)
+        # silu rounded to the input dtype before the multiply, as F.silu(gate) * up does
+        act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+        tl.store(out_ptr + row * stride_o + cols, act * up, mask=mask)
+
+    return _store_kv_kernel, _rms_norm_kernel, _rotary_kernel, _qkv_rope_store_kernel, _silu_and_mul_kernel
 
 
 def store_kv(
@@ -181,3 +257,54 @@ def apply_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q [T, heads, D]`` and ``k [T, kv_heads, D]`` by ``cos``/``sin [T, D/2]`` (fp32)."""
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def qkv_rope_store(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """From the fused projection ``qkv [T, (H + 2 KVH) * D]``: store rope'd (and, with norm
+    weights, per-head RMS-normalised) keys and the values at ``slot_mapping`` (-1 skipped);
+    return the rope'd queries ``[T, H, D]``."""
+    T = qkv.shape[0]
+    d = k_cache.shape[-1]
+    assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * d and qkv.stride(1) == 1
+    assert d % 2 == 0 and _next_pow2(d // 2) == d // 2, "head_dim/2 must be a power of two"
+    q = torch.empty((T, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return q
+    has_norm = q_norm_weight is not None
+    kernel = _kernels()[3]
+    kernel[(T,)](
+        qkv, q, k_cache, v_cache, slot_mapping, cos, sin,
+        q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
+        qkv.stride(0), q.stride(0), cos.stride(0), sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        float(eps),
+        H=num_heads, KVH=num_kv_heads, H_PAD=_next_pow2(num_heads), KVH_PAD=_next_pow2(num_kv_heads),
+        HALF=d // 2, BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm,
+    )
+    return q
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused ``[rows, 2 * I]`` gate|up projection."""
+    n = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        block = min(1024, _next_pow2(n))
+        _kernels()[4][(x2.shape[0], -(-n // block))](x2, out, x2.stride(0), out.stride(0), n, BLOCK=block)
+    return out.view(*x.shape[:-1], n)

@@ -17,6 +17,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_model_len: int | None = None  # None = the model's context length
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None = all cores
+    kernel_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
+    cuda_graph: bool = True  # replay captured graphs for decode-only steps (CUDA + triton only)
     seed: int = 0
     served_model_name: str | None = None
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import AttentionMetadata
+from kernels.attention import AttentionMetadata, build_varlen
+from kernels.triton_attention import decode_splits, triton_available
 
 from .config import EngineConfig, parse_memory_size
 from .device import free_memory_bytes, resolve_device, resolve_dtype, synchronize
@@ -80,6 +81,53 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.sampler = BatchSampler(self.model, self.device, self.generator, self.model_config.vocab_size)
+        self.triton = self._use_triton()
+        self.model.use_triton_kernels(self.triton)
+        self.graphs = None
+        self.num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
+        )
+        if self.triton and self.device.type == "cuda":
+            self._compile_kernels()
+        if self.triton and self.device.type == "cuda" and config.cuda_graph:
+            from .cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_caches, config.max_running_requests,
+                -(-self.max_model_len // self.block_size), self.block_size, self.device, self.num_sms,
+            )
+            self.graphs.capture()
+
+    @torch.inference_mode()
+    def _compile_kernels(self) -> None:
+        """Run every Triton kernel variant an eager step can need (decode split factors, short
+        and long prefill tiles) once, so no request waits for a JIT compile. Slots are -1 and
+        every table points at the null block: nothing is written to the KV cache."""
+        shapes = [[1] * b for b in (1, 2, 4, 8, 16, 32, 64)] + [[1, 5], [1, 100]]
+        for query_lens in shapes:
+            seq_lens = [q + 3 for q in query_lens]
+            tables = [[0] * -(-s // self.block_size) for s in seq_lens]
+            n = len(query_lens)
+            decode = all(q == 1 for q in query_lens)
+            splits = decode_splits(n, self.model_config.num_kv_heads, self.num_sms) if decode else 1
+            meta = build_varlen(query_lens, seq_lens, tables, self.block_size, self.device, splits)
+            meta.slot_mapping.fill_(-1)
+            ids = torch.zeros(sum(query_lens), dtype=torch.int64, device=self.device)
+            self.model(ids, meta.positions, self.kv_caches, meta)
+        synchronize(self.device)
+
+    def _use_triton(self) -> bool:
+        backend = self.config.kernel_backend
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"unknown kernel backend {backend!r}; choose auto, torch or triton")
+        if backend == "torch" or (backend == "auto" and self.device.type != "cuda"):
+            return False
+        if not triton_available():
+            if backend == "triton":
+                raise RuntimeError("--kernel-backend triton needs the triton package")
+            logger.warning("triton is not installed: using the torch kernels on %s", self.device)
+            return False
+        return True
 
     # -- KV cache --------------------------------------------------------------------
     def _bytes_per_token(self) -> int:
@@ -135,9 +183,16 @@ class ModelRunner:
             if start + n == req.num_tokens:  # all known tokens computed: this row samples
                 sample_rows.append(offset - 1)
         dev = self.device
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, dev)
-        hidden = self.model(ids, meta.positions, self.kv_caches, meta)
+        if self.graphs is not None and offset == len(query_lens) and self.graphs.can_run(offset):
+            hidden = self.graphs.run(input_ids, seq_lens, tables)  # decode-only step
+        else:
+            ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+            if self.triton:
+                splits = decode_splits(offset, self.model_config.num_kv_heads, self.num_sms) if offset == len(query_lens) else 1
+                meta = build_varlen(query_lens, seq_lens, tables, self.block_size, dev, splits)
+            else:
+                meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, dev)
+            hidden = self.model(ids, meta.positions, self.kv_caches, meta)
         # LM head on the sampling rows (and prompt-logprob rows), sampling, logprobs.
         return self.sampler.run(batch.requests, batch.num_new_tokens, hidden, sample_rows)
 

@@ -21,7 +21,8 @@ import logging
 
 import torch
 
-from kernels.sampling import Penalties, SamplingTensors, argmax_rows, sample, token_logprobs
+from kernels.sampling import MIN_TEMPERATURE, Penalties, SamplingTensors, argmax_rows, sample, token_logprobs
+from kernels.triton_attention import triton_available
 
 from .request import Request
 
@@ -64,6 +65,9 @@ class BatchSampler:
         self.device = device
         self.generator = generator
         self.vocab_size = vocab_size
+        # Temperature-only batches on GPUs: one fused Gumbel-max pass (kernels.triton_sampling).
+        self.fused_sampling = device.type == "cuda" and triton_available()
+        self.seeds = torch.Generator().manual_seed(generator.initial_seed())  # per-step kernel seeds, on the host
 
     # -- entry point -------------------------------------------------------------------
     def run(self, requests: list[Request], num_new_tokens: list[int], hidden: torch.Tensor, sample_rows: list[int]) -> list[int]:
@@ -78,6 +82,11 @@ class BatchSampler:
         params = self.build(sampling)
         if params.plain_greedy:
             tokens = argmax_rows(logits)
+        elif params.fused_temperature is not None:
+            from kernels.triton_sampling import gumbel_sample
+
+            seed = int(torch.randint(2**31 - 1, (1,), generator=self.seeds))
+            tokens = gumbel_sample(logits, params.fused_temperature, seed)
         else:
             tokens = sample(logits.float(), params, self.generator)
         if lp_rows:
@@ -131,6 +140,12 @@ class BatchSampler:
             if req.grammar is not None:
                 grammar_rows.append(i)
         extra = {}
+        if self.fused_sampling and not (pen_rows or bias_rows or ban_rows or seeded or grammar_rows or any_min_p):
+            greedy = [t < MIN_TEMPERATURE or k == 1 for t, k in zip(temperature, top_k)]
+            if all(g or ((k <= 0 or k >= vocab) and p >= 1.0) for g, k, p in zip(greedy, top_k, top_p)):
+                extra["fused_temperature"] = torch.tensor(
+                    [0.0 if g else t for g, t in zip(greedy, temperature)], dtype=torch.float32, device=dev
+                )
         if grammar_rows:
             from .grammar import allocate_bitmask
 

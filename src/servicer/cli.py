@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--disable-prefix-caching", action="store_true",
                    help="do not share KV blocks between requests with a common prompt prefix")
+    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="attention/norm/rope kernels: auto (Triton on CUDA GPUs, torch elsewhere), "
+                   "torch (reference path) or triton")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run decode steps eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler's default generator")
     p.add_argument("--shutdown-grace-period", type=float, default=30.0,
@@ -79,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.disable_prefix_caching,
         num_threads=args.num_threads,
+        kernel_backend=args.kernel_backend,
+        cuda_graph=not args.disable_cuda_graph,
         seed=args.seed,
         served_model_name=args.served_model_name,
     )

@@ -12,6 +12,7 @@ import logging
 import torch
 from torch import nn
 
+from kernels import triton_attention, triton_ops
 from kernels.activation import silu_and_mul
 from kernels.attention import AttentionMetadata, paged_attention, store_kv
 from kernels.norm import rms_norm
@@ -34,9 +35,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.triton = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rms_norm(x, self.weight, self.eps, residual)
+        norm = triton_ops.rms_norm if self.triton else rms_norm
+        return norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -73,8 +76,23 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
         self.qk_norm = c.qk_norm
+        self.eps = c.rms_norm_eps
+        self.triton = False
 
     def forward(self, rope, x, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        if self.triton:  # 3 launches between the two GEMMs
+            q = triton_ops.qkv_rope_store(
+                self.qkv_proj(x), self.num_heads, self.num_kv_heads, *rope, kv_cache[0], kv_cache[1],
+                meta.slot_mapping,
+                self.q_norm.weight if self.qk_norm else None,
+                self.k_norm.weight if self.qk_norm else None,
+                self.eps,
+            )
+            o = triton_attention.unified_attention(
+                q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                self.scale, max_query_len=meta.max_query_len, num_splits=meta.num_splits,
+            )
+            return self.o_proj(o.view(-1, self.q_size))
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -92,9 +110,11 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, dtype)
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype)
+        self.triton = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        act = triton_ops.silu_and_mul if self.triton else silu_and_mul
+        return self.down_proj(act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -133,6 +153,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
         super().__init__()
         self.config = config
+        self.triton = False
         self.model = LlamaModel(config, dtype)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -158,6 +179,14 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(rope, x, residual, kv_cache, attn_meta)
         x, _ = self.model.norm(x, residual)
         return x
+
+    def use_triton_kernels(self, enabled: bool = True) -> None:
+        """Switch every layer to the Triton kernels (GPUs; the CPU under TRITON_INTERPRET=1).
+        They read the varlen metadata (``attention.build_varlen``)."""
+        for module in self.modules():
+            if hasattr(module, "triton"):
+                module.triton = enabled
+        self.triton = enabled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head over only the rows that sample: ``[N, hidden] -> [N, vocab]``."""

@@ -1,0 +1,204 @@
+"""N256 GPU benchmark (shared/benchmarks.md) on the Qwen3-0.6B configuration, random bf16 weights.
+
+In one process run, side by side:
+  (a) our engine offline (Engine.generate): 256 requests submitted at once, temperature 0.6,
+      ignore_eos, after one warm-up request; output tokens / wall time of the whole generate;
+  (b) batch-1 decode: the step time of one running request (engine ITL, and the model's
+      forward + LM head alone) against the HBM floor = weight bytes / measured copy bandwidth
+      (a large device-to-device copy, bytes read + written);
+  (c) HF transformers static batching (left-padded batches of --hf-batch, sampling at
+      temperature 0.6 with top-k/top-p off, min_new_tokens = max_new_tokens = the batch's
+      longest, counting each request's own tokens) on the same weights and GPU.
+
+    python bench/bench_n256.py [--json out.json] [--skip hf] [--hf-batch 64] [--hf-time-limit 240]
+
+Needs torch, triton, transformers and msgspec (see bench/gpu.sh for a bare machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+from scheduler.config import EngineConfig  # noqa: E402
+from scheduler.engine import Engine  # noqa: E402
+from scheduler.messages import SamplingParams  # noqa: E402
+from scheduler.model_config import ModelConfig  # noqa: E402
+from scheduler.model_runner import LoadedModel, ModelRunner  # noqa: E402
+from scheduler.models import build_model  # noqa: E402
+
+QWEN3_0_6B = dict(
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
+)
+
+
+def n256_workload() -> tuple[list[list[int]], list[int]]:
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    max_tokens = [random.randint(100, 1024) for _ in range(256)]
+    return prompts, max_tokens
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate, bytes read + written per second (median of 20)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(23):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times[3:])
+
+
+def build_models():
+    import transformers
+
+    hf_config = transformers.Qwen3Config(**QWEN3_0_6B)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+    config = ModelConfig.from_hf_dict(hf_config.to_dict())
+    ours = build_model(config, dtype=torch.bfloat16)
+    ours.load_weights(dict(hf.state_dict()))  # shares the tensors it does not fuse
+    return hf, LoadedModel("random-qwen3-0.6b", config, ours.cuda().eval())
+
+
+def run_engine(loaded: LoadedModel, args) -> tuple[dict, dict]:
+    config = EngineConfig(
+        model="random-qwen3-0.6b", device="cuda", dtype="bfloat16", max_running_requests=args.max_running,
+        max_num_batched_tokens=args.batched_tokens, kv_cache_memory=args.kv_memory, max_model_len=4096,
+        cuda_graph=not args.eager,
+    )
+    t = time.perf_counter()
+    engine = Engine(config, ModelRunner(config, loaded))
+    setup_s = time.perf_counter() - t
+    prompts, max_tokens = n256_workload()
+    engine.generate([prompts[0][:100]], SamplingParams(max_new_tokens=16, temperature=0.6, ignore_eos=True))
+    params = [SamplingParams(max_new_tokens=m, temperature=0.6, ignore_eos=True) for m in max_tokens]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    done = engine.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    out_tokens = sum(len(c.output_ids) for c in done)
+    assert out_tokens == sum(max_tokens), (out_tokens, sum(max_tokens))
+    ttft = sorted(c.token_times[0] - t0 for c in done)
+    n256 = {
+        "wall_s": wall, "output_tokens": out_tokens, "tok_per_s": out_tokens / wall,
+        "ttft_p50_s": ttft[len(ttft) // 2], "steps": engine.stats.steps, "setup_s": setup_s,
+        "max_batch_size": engine.stats.max_batch_size, "preemptions": engine.scheduler.num_preemptions,
+        "kv_tokens": engine.kv.capacity_tokens,
+    }
+    # (b) batch 1: a 512-token prompt then 256 decode steps; the median gap between tokens.
+    one = engine.generate([prompts[1][:512]], SamplingParams(max_new_tokens=257, temperature=0.6, ignore_eos=True))[0]
+    gaps = [b - a for a, b in zip(one.token_times[1:], one.token_times[2:])]
+    batch1 = {"engine_step_ms": 1e3 * statistics.median(gaps)}
+    runner = engine.runner
+    if runner.graphs is not None:  # the forward (graph replay) + LM head alone, timed with events
+        runner.graphs.load_inputs([1], [600], [list(range(1, 40))])
+        hidden = runner.graphs.outputs[1]
+        times = []
+        for i in range(220):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            runner.graphs.graphs[1].replay()
+            runner.model.compute_logits(hidden[:1]).argmax(-1)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        batch1["forward_lm_head_ms"] = statistics.median(times[20:])
+    batch1["weight_bytes"] = runner.weight_bytes  # tied: the embedding is read once, as the LM head
+    del engine, runner
+    return n256, batch1
+
+
+def run_hf(hf, args) -> dict:
+    prompts, max_tokens = n256_workload()
+    hf.generation_config.pad_token_id = 0
+    bsz = args.hf_batch
+    # warm-up
+    hf.generate(torch.tensor([prompts[0][:100]], device="cuda"), max_new_tokens=8, min_new_tokens=8,
+                do_sample=True, temperature=0.6, top_k=0, top_p=1.0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    counted, batches = 0, 0
+    for start in range(0, len(prompts), bsz):
+        ps, outs = prompts[start : start + bsz], max_tokens[start : start + bsz]
+        width = max(len(p) for p in ps)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps], device="cuda")
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device="cuda")
+        n = max(outs)
+        hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=True,
+                    temperature=0.6, top_k=0, top_p=1.0)
+        torch.cuda.synchronize()
+        counted += sum(outs)
+        batches += 1
+        if time.perf_counter() - t0 > args.hf_time_limit:
+            break
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "output_tokens": counted, "tok_per_s": counted / wall, "batch": bsz,
+            "batches_run": batches, "batches_total": -(-len(prompts) // bsz)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--skip", default="", help="comma list: hf")
+    ap.add_argument("--hf-batch", type=int, default=64)
+    ap.add_argument("--hf-time-limit", type=float, default=240.0,
+                    help="stop HF after the batch that crosses this many seconds (rate from the batches run)")
+    ap.add_argument("--max-running", type=int, default=256)
+    ap.add_argument("--batched-tokens", type=int, default=8192)
+    ap.add_argument("--kv-memory", default="40GiB")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    args = ap.parse_args()
+
+    gpu = torch.cuda.get_device_name()
+    bw = copy_bandwidth()
+    hf, loaded = build_models()
+    n256, batch1 = run_engine(loaded, args)
+    floor_ms = 1e3 * batch1["weight_bytes"] / bw
+    batch1.update(copy_bandwidth_gbs=bw / 1e9, hbm_floor_ms=floor_ms,
+                  engine_step_x_floor=batch1["engine_step_ms"] / floor_ms)
+    if "forward_lm_head_ms" in batch1:
+        batch1["forward_x_floor"] = batch1["forward_lm_head_ms"] / floor_ms
+    torch.cuda.empty_cache()
+    result = {"gpu": gpu, "torch": torch.__version__, "n256_engine": n256, "batch1": batch1}
+    if "hf" not in args.skip.split(","):
+        result["n256_hf"] = run_hf(hf, args)
+        result["engine_over_hf"] = n256["tok_per_s"] / result["n256_hf"]["tok_per_s"]
+
+    print(f"GPU: {gpu}, torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    print(f"N256 engine: {n256['output_tokens']} tokens in {n256['wall_s']:.2f} s = {n256['tok_per_s']:.0f} tok/s "
+          f"({n256['steps']} steps, max batch {n256['max_batch_size']}, preemptions {n256['preemptions']})")
+    if "n256_hf" in result:
+        h = result["n256_hf"]
+        print(f"N256 HF static batch {h['batch']}: {h['tok_per_s']:.0f} tok/s ({h['batches_run']}/{h['batches_total']} "
+              f"batches, {h['wall_s']:.1f} s); engine / HF = {result['engine_over_hf']:.1f}x")
+    print(f"batch 1: engine step {batch1['engine_step_ms']:.3f} ms, forward+LM head "
+          f"{batch1.get('forward_lm_head_ms', float('nan')):.3f} ms, HBM floor {floor_ms:.3f} ms "
+          f"({batch1['weight_bytes'] / 1e9:.2f} GB weights): {batch1['engine_step_x_floor']:.2f}x / "
+          f"{batch1.get('forward_x_floor', float('nan')):.2f}x floor")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

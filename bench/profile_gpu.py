@@ -1,0 +1,153 @@
+"""GPU tuning probes (not the benchmark): decode attention configs and an N256 step breakdown.
+
+    python bench/profile_gpu.py [--skip attn,steps]
+
+(1) Decode attention alone (unified Triton kernel, Qwen3-0.6B heads, bf16, scattered blocks):
+    time and KV bytes/s for key-tile sizes, warps and split-KV factors, per batch size.
+(2) N256 through the engine with host timers around each phase of a step (schedule, model,
+    sampling, update), the GPU synchronised at each boundary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from kernels.triton_attention import decode_splits, unified_attention  # noqa: E402
+
+
+def attention_probe() -> None:
+    import triton
+
+    H, KVH, D, BS = 16, 8, 128, 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    num_blocks = 256 * 1100 // BS + 8
+    k = torch.randn(num_blocks, BS, KVH, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    print(f"{'B':>4} {'ctx':>5} {'tile':>4} {'warps':>5} {'splits':>6} {'us':>8} {'GB/s':>6}")
+    for B, ctx in ((1, 600), (1, 2000), (8, 1000), (64, 1000), (256, 1000)):
+        per = -(-ctx // BS)
+        perm = torch.randperm(num_blocks - 1, device="cuda")[: B * per] + 1
+        tables = perm.view(B, per).to(torch.int64)
+        qsl = torch.arange(B + 1, device="cuda", dtype=torch.int64)
+        seq = torch.full((B,), ctx, device="cuda", dtype=torch.int64)
+        q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+        kv_bytes = B * ctx * KVH * D * 2 * 2
+        best = None
+        auto = decode_splits(B, KVH, sms)
+        for tile in (32, 64, 128):
+            for warps in (2, 4, 8):
+                for splits in sorted({1, auto}):
+                    fn = lambda: unified_attention(q, k, v, tables, qsl, seq, D**-0.5, max_query_len=1,  # noqa: E731
+                                                   tile_n=tile, num_warps=warps, num_splits=splits)
+                    try:
+                        ms = triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median")
+                    except Exception as e:  # noqa: BLE001
+                        print(f"{B:>4} {ctx:>5} {tile:>4} {warps:>5} {splits:>6} failed: {str(e)[:80]}")
+                        continue
+                    gbs = kv_bytes / ms / 1e6
+                    print(f"{B:>4} {ctx:>5} {tile:>4} {warps:>5} {splits:>6} {ms * 1e3:>8.1f} {gbs:>6.0f}")
+                    if best is None or ms < best[0]:
+                        best = (ms, tile, warps, splits)
+        print(f"best B={B} ctx={ctx}: tile {best[1]} warps {best[2]} splits {best[3]}: {best[0] * 1e3:.1f} us")
+
+
+def step_probe() -> None:
+    from bench_n256 import build_models, n256_workload
+
+    from scheduler.config import EngineConfig
+    from scheduler.engine import Engine
+    from scheduler.messages import SamplingParams
+    from scheduler.model_runner import ModelRunner
+
+    _, loaded = build_models()
+    config = EngineConfig(model="x", device="cuda", dtype="bfloat16", max_running_requests=256,
+                          max_num_batched_tokens=8192, kv_cache_memory="40GiB", max_model_len=4096)
+    engine = Engine(config, ModelRunner(config, loaded))
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            r = fn(*a, **kw)
+            torch.cuda.synchronize()
+            totals[name] += time.perf_counter() - t
+            counts[name] += 1
+            return r
+        return wrapper
+
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    engine.scheduler.update = timed("update", engine.scheduler.update)
+    engine.runner.model.forward = timed("model (eager)", engine.runner.model.forward)
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.run = timed("model (graph)", engine.runner.graphs.run)
+    engine.runner.sampler.run = timed("sampler", engine.runner.sampler.run)
+    engine.runner.execute = timed("execute", engine.runner.execute)
+    engine.step = timed("step", engine.step)
+    prompts, max_tokens = n256_workload()
+    params = [SamplingParams(max_new_tokens=m, temperature=0.6, ignore_eos=True) for m in max_tokens]
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    print(f"N256 with timers: {wall:.2f} s, {engine.stats.steps} steps")
+    for name in sorted(totals, key=totals.get, reverse=True):
+        print(f"  {name:<14} {totals[name]:7.2f} s  {counts[name]:5d} calls  {1e3 * totals[name] / counts[name]:7.3f} ms/call")
+
+
+def torch_profile() -> None:
+    """torch.profiler over N256's first steps (prefill-heavy, eager) and then decode steps (graphs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench_n256 import build_models, n256_workload
+
+    from scheduler.config import EngineConfig
+    from scheduler.engine import Engine
+    from scheduler.messages import AddRequest, SamplingParams
+    from scheduler.model_runner import ModelRunner
+
+    _, loaded = build_models()
+    config = EngineConfig(model="x", device="cuda", dtype="bfloat16", max_running_requests=256,
+                          max_num_batched_tokens=8192, kv_cache_memory="40GiB", max_model_len=4096)
+    engine = Engine(config, ModelRunner(config, loaded))
+    engine.generate([[5] * 100], SamplingParams(max_new_tokens=4, temperature=0.6, ignore_eos=True))
+    prompts, max_tokens = n256_workload()
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(AddRequest(f"r{i}", p, SamplingParams(max_new_tokens=m, temperature=0.6, ignore_eos=True), 0.0))
+    for phase, steps in (("prefill (eager) steps", 3), ("decode (graph) steps", 0)):
+        if phase.startswith("decode"):
+            while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
+                engine.step()
+            steps = 10
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+        print(f"== {phase}: {steps} steps, {1e3 * wall / steps:.2f} ms/step (profiled), batch {len(engine.scheduler.running)}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip", default="")
+    skip = ap.parse_args().skip.split(",")
+    if "attn" not in skip:
+        attention_probe()
+    if "steps" not in skip:
+        step_probe()
+    if "prof" not in skip:
+        torch_profile()
