@@ -77,35 +77,26 @@ class AttentionMetadata:
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
-        max_blocks = max((len(t) for t in block_tables), default=0)
-        table = torch.zeros(len(block_tables), max(max_blocks, 1), dtype=torch.int64)
-        for i, row in enumerate(block_tables):
-            table[i, : len(row)] = torch.as_tensor(row, dtype=torch.int64)
-        seq = torch.as_tensor(seq_lens, dtype=torch.int64)
-        qlen = torch.as_tensor(query_lens, dtype=torch.int64)
-
-        # Slot of every scheduled query token: positions seq_len - q_len .. seq_len - 1.
-        req_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), qlen)
-        starts = torch.cumsum(qlen, 0) - qlen
-        pos = (seq - qlen)[req_of_token] + torch.arange(int(qlen.sum())) - starts[req_of_token]
-        slot_mapping = table[req_of_token, pos // block_size] * block_size + pos % block_size
-
+        slots, pos, _, seq, table = varlen_arrays(query_lens, seq_lens, block_tables, block_size)
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(device), positions=pos.to(device), block_size=block_size, num_decodes=num_decodes
+            slot_mapping=torch.from_numpy(slots).to(device),
+            positions=torch.from_numpy(pos).to(device),
+            block_size=block_size,
+            num_decodes=num_decodes,
         )
         if num_decodes:
-            meta.decode_block_tables = table[:num_decodes].to(device)
-            meta.decode_seq_lens = seq[:num_decodes].to(device)
+            meta.decode_block_tables = torch.from_numpy(table[:num_decodes]).to(device)
+            meta.decode_seq_lens = torch.from_numpy(seq[:num_decodes]).to(device)
         q_start = num_decodes
         for i in range(num_decodes, len(query_lens)):
             q_len, s_len = query_lens[i], seq_lens[i]
-            kpos = torch.arange(s_len)
-            slots = table[i, kpos // block_size] * block_size + kpos % block_size
+            kpos = np.arange(s_len)
+            kv_slots = torch.from_numpy(table[i, kpos // block_size] * block_size + kpos % block_size)
             mask = None
             if q_len != s_len:  # a prefix is already cached: bottom-right aligned causal mask
-                qpos = torch.arange(s_len - q_len, s_len)
-                mask = (kpos[None, :] <= qpos[:, None]).to(device)
-            meta.prefills.append(PrefillSegment(q_start, q_start + q_len, slots.to(device), mask))
+                k = torch.arange(s_len)
+                mask = (k[None, :] <= torch.arange(s_len - q_len, s_len)[:, None]).to(device)
+            meta.prefills.append(PrefillSegment(q_start, q_start + q_len, kv_slots.to(device), mask))
             q_start += q_len
         return meta
 
