@@ -84,6 +84,7 @@ def paged_decode_attention(
         or heads % kv_heads
         or heads > 64
         or head_dim > 256
+        or head_dim % 8  # the kernel works in 8-float vectors
         or block_size > 64
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
     ):
