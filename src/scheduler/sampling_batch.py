@@ -76,7 +76,11 @@ class BatchSampler:
         if not sample_rows:
             return []
         sampling = [r for r, n in zip(requests, num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        if len(sample_rows) == hidden.shape[0]:  # every row samples (decode-only steps): no gather
+            rows = hidden
+        else:
+            rows = hidden[torch.tensor(sample_rows, device=self.device)]
+        logits = self.model.compute_logits(rows)
         lp_rows = [i for i, r in enumerate(sampling) if r.output_logprobs is not None]
         logprobs = logits[lp_rows].float().log_softmax(dim=-1) if lp_rows else None
         params = self.build(sampling)
