@@ -6,7 +6,17 @@ Runs, in one process run and side by side:
   (c) HF transformers static batching (batches of 16, left-padded) on the same weights,
 and prints output tok/s, TTFT and ITL (mean, p50, p99) for each, with ratios to (c).
 
+--sampling picks the sampling parameters of (a) and (b):
+  greedy (default): every request greedy, as W64 specifies;
+  mixed: even requests greedy, odd ones sampled with temperature 0.8, top_p 0.9, top_k 40,
+         repetition_penalty 1.1, frequency_penalty 0.2, presence_penalty 0.1, seed i (same
+         lengths, EOS ignored); (c) HF stays greedy (it is not the baseline for this);
+  both:  (a) twice in one process, all-greedy then mixed, and the ratio mixed/greedy
+         (issue 5: the sampler may cost at most 10%, i.e. ratio >= 0.90); (b) and (c) greedy.
+
     python bench/bench_w64.py [--device cpu] [--json out.json] [--skip hf,daemon] [--requests 64]
+                              [--sampling greedy|mixed|both]
+    python bench/bench_w64.py --sampling both --skip hf,daemon   # sampler cost on the engine
 """
 
 from __future__ import annotations
@@ -42,6 +52,18 @@ def w64_workload(n: int = 64) -> list[tuple[list[int], int]]:
     return work
 
 
+# Sampled requests of --sampling mixed (odd request i also gets seed=i).
+MIXED_SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=40, repetition_penalty=1.1,
+                     frequency_penalty=0.2, presence_penalty=0.1)
+
+
+def request_params(i: int, n: int, sampling: str) -> dict:
+    """Engine SamplingParams kwargs of request i (n output tokens, EOS ignored)."""
+    if sampling == "mixed" and i % 2 == 1:
+        return dict(MIXED_SAMPLED, seed=i, max_new_tokens=n, ignore_eos=True)
+    return dict(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+
+
 def summarize(name: str, wall: float, per_request: list[tuple[float, float, int]]) -> dict:
     """per_request: (first token time - t0, last token time - t0, output tokens)."""
     ttft = [f for f, _, _ in per_request]
@@ -61,7 +83,7 @@ def summarize(name: str, wall: float, per_request: list[tuple[float, float, int]
 
 
 # -- (a) offline engine -------------------------------------------------------------------
-def run_engine(work, args) -> dict:
+def run_engine(work, args, sampling: str = "greedy") -> dict:
     from scheduler.engine import Engine
 
     config = EngineConfig(model=args.model, device=args.device, max_running_requests=len(work),
@@ -69,13 +91,18 @@ def run_engine(work, args) -> dict:
                           kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads)
     engine = Engine(config)
     engine.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_new_tokens=4))  # warm-up
-    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for _, n in work]
+    if sampling == "mixed":  # warm the sampled path too (penalties, seeded rows) before timing
+        engine.generate([[1, 2, 3, 4], [5, 6, 7, 8]], [SamplingParams(**request_params(i, 4, "mixed")) for i in range(2)])
+    params = [SamplingParams(**request_params(i, n, sampling)) for i, (_, n) in enumerate(work)]
     t0 = time.perf_counter()
     results = engine.generate([p for p, _ in work], params)
     wall = time.perf_counter() - t0
     assert all(len(r.output_ids) == n for r, (_, n) in zip(results, work))
-    out = summarize("engine (offline)", wall, [(r.token_times[0] - t0, r.token_times[-1] - t0, len(r.output_ids)) for r in results])
+    name = "engine (offline)" if sampling == "greedy" else f"engine (offline, {sampling})"
+    out = summarize(name, wall, [(r.token_times[0] - t0, r.token_times[-1] - t0, len(r.output_ids)) for r in results])
     out["max_batch_size"] = engine.stats.max_batch_size
+    if args.sampling != "greedy":  # the greedy default keeps its JSON as it was
+        out["sampling"] = sampling
     del engine
     return out
 
@@ -87,7 +114,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _grpc_load(port: int, work) -> tuple[float, list]:
+async def _grpc_load(port: int, work, sampling: str = "greedy") -> tuple[float, list]:
     import grpc
     from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
     from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
@@ -96,9 +123,14 @@ async def _grpc_load(port: int, work) -> tuple[float, list]:
         stub = pb_grpc.SglangSchedulerStub(channel)
 
         async def one(i, prompt, n, t0):
+            kw = request_params(i, n, sampling)
+            seed = kw.pop("seed", None)
+            sp = pb.SamplingParams(**kw)
+            if seed is not None:
+                sp.custom_params.update({"seed": seed})
             req = pb.GenerateRequest(
                 request_id=f"bench-{i}", tokenized=pb.TokenizedInput(input_ids=prompt), stream=True,
-                sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True),
+                sampling_params=sp,
             )
             first = last = None
             count = 0
@@ -116,7 +148,7 @@ async def _grpc_load(port: int, work) -> tuple[float, list]:
         return time.perf_counter() - t0, results
 
 
-def run_daemon(work, args) -> dict:
+def run_daemon(work, args, sampling: str = "greedy") -> dict:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     import grpc
 
@@ -145,9 +177,13 @@ def run_daemon(work, args) -> dict:
                 if time.time() > deadline:
                     raise RuntimeError("daemon did not become SERVING")
                 time.sleep(0.5)
-        wall, results = asyncio.run(_grpc_load(port, work))
+        wall, results = asyncio.run(_grpc_load(port, work, sampling))
         assert all(n == want for (_, _, n), (_, want) in zip(results, work))
-        return summarize("daemon (gRPC, 64 in flight)", wall, results)
+        name = "daemon (gRPC, 64 in flight)" if sampling == "greedy" else f"daemon (gRPC, 64 in flight, {sampling})"
+        out = summarize(name, wall, results)
+        if args.sampling != "greedy":
+            out["sampling"] = sampling
+        return out
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -210,15 +246,26 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's own")
     ap.add_argument("--skip", default="", help="comma list of engine,daemon,hf to skip")
     ap.add_argument("--json", default=None, help="write the numbers to this file")
+    ap.add_argument("--sampling", choices=("greedy", "mixed", "both"), default="greedy",
+                    help="greedy: all greedy (W64); mixed: alternate greedy and sampled+penalties for (a) and (b); "
+                         "both: (a) all-greedy and mixed side by side with the ratio (b, c stay greedy)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     work = w64_workload()[: args.requests]
     print(f"W64: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
-          f"{sum(n for _, n in work)} output tokens, {args.threads} threads, device {args.device}", flush=True)
+          f"{sum(n for _, n in work)} output tokens, {args.threads} threads, device {args.device}"
+          + ("" if args.sampling == "greedy" else f", sampling {args.sampling}"), flush=True)
     skip = set(filter(None, args.skip.split(",")))
+    served = "greedy" if args.sampling == "both" else args.sampling  # what (b) runs
+    plan = []
+    if args.sampling == "both":
+        plan += [("engine", lambda w, a: run_engine(w, a, "greedy")), ("engine_mixed", lambda w, a: run_engine(w, a, "mixed"))]
+    else:
+        plan.append(("engine", lambda w, a: run_engine(w, a, args.sampling)))
+    plan += [("daemon", lambda w, a: run_daemon(w, a, served)), ("hf", run_hf)]
     runs = {}
-    for key, fn in (("engine", run_engine), ("daemon", run_daemon), ("hf", run_hf)):
-        if key in skip:
+    for key, fn in plan:
+        if key.split("_")[0] in skip:
             continue
         runs[key] = fn(work, args)
         r = runs[key]
@@ -233,9 +280,19 @@ def main() -> int:
               f"{t['mean']:8.2f}/{t['p50']:.2f}/{t['p99']:.2f} {i['mean'] * 1e3:9.1f}/{i['p50'] * 1e3:.1f}/{i['p99'] * 1e3:.1f}")
     if "engine" in runs and "daemon" in runs:
         print(f"daemon / engine throughput: {runs['daemon']['tok_per_s'] / runs['engine']['tok_per_s']:.3f}")
+    if "engine" in runs and "engine_mixed" in runs:
+        g, m = runs["engine"]["tok_per_s"], runs["engine_mixed"]["tok_per_s"]
+        ratio = m / g
+        print(f"\nengine greedy {g:.1f} tok/s | mixed {m:.1f} tok/s | mixed / greedy {ratio:.3f} "
+              f"(issue 5: >= 0.90 -> {'OK' if ratio >= 0.90 else 'OVER BUDGET'})")
     if args.json:
+        doc = {"workload": "W64", "device": args.device, "threads": args.threads, "runs": runs}
+        if args.sampling != "greedy":
+            doc["sampling"] = args.sampling
+        if "engine" in runs and "engine_mixed" in runs:
+            doc["engine_mixed_over_greedy"] = runs["engine_mixed"]["tok_per_s"] / runs["engine"]["tok_per_s"]
         with open(args.json, "w") as f:
-            json.dump({"workload": "W64", "device": args.device, "threads": args.threads, "runs": runs}, f, indent=2)
+            json.dump(doc, f, indent=2)
     return 0
 
 
