@@ -148,6 +148,18 @@ async def _grpc_load(port: int, work, sampling: str = "greedy") -> tuple[float, 
         return time.perf_counter() - t0, results
 
 
+def _cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of one process (all its threads, not its children)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
 def run_daemon(work, args, sampling: str = "greedy") -> dict:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     import grpc
@@ -177,10 +189,19 @@ def run_daemon(work, args, sampling: str = "greedy") -> dict:
                 if time.time() > deadline:
                     raise RuntimeError("daemon did not become SERVING")
                 time.sleep(0.5)
+        # Where the CPU goes during the load: on 2 cores every second the servicer or the
+        # client spends is taken from the scheduler's torch threads.
+        pids = {"servicer": proc.pid, "scheduler": _children(proc.pid)[0]}
+        cpu0 = {k: _cpu_seconds(p) for k, p in pids.items()}
+        client0 = time.process_time()
         wall, results = asyncio.run(_grpc_load(port, work, sampling))
+        cpu = {k: round(_cpu_seconds(p) - cpu0[k], 1) for k, p in pids.items()}
+        cpu["client"] = round(time.process_time() - client0, 1)
         assert all(n == want for (_, _, n), (_, want) in zip(results, work))
         name = "daemon (gRPC, 64 in flight)" if sampling == "greedy" else f"daemon (gRPC, 64 in flight, {sampling})"
         out = summarize(name, wall, results)
+        out["cpu_s"] = cpu
+        print(f"  CPU seconds during the load: {cpu}", flush=True)
         if args.sampling != "greedy":
             out["sampling"] = sampling
         return out
@@ -246,6 +267,8 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's own")
     ap.add_argument("--skip", default="", help="comma list of engine,daemon,hf to skip")
     ap.add_argument("--json", default=None, help="write the numbers to this file")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of the engine and daemon runs, interleaved; each reports its median (HF runs once)")
     ap.add_argument("--sampling", choices=("greedy", "mixed", "both"), default="greedy",
                     help="greedy: all greedy (W64); mixed: alternate greedy and sampled+penalties for (a) and (b); "
                          "both: (a) all-greedy and mixed side by side with the ratio (b, c stay greedy)")
@@ -263,13 +286,22 @@ def main() -> int:
     else:
         plan.append(("engine", lambda w, a: run_engine(w, a, args.sampling)))
     plan += [("daemon", lambda w, a: run_daemon(w, a, served)), ("hf", run_hf)]
+    # --repeat N runs the engine and daemon rounds N times, interleaved (E D E D ...), and keeps
+    # each one's median: this machine's speed drifts by +-10% over minutes, so a single pair
+    # can show a daemon/engine ratio the code does not cause.
+    samples: dict[str, list[dict]] = {}
+    for round_ in range(args.repeat):
+        for key, fn in plan:
+            if key.split("_")[0] in skip or (round_ and key == "hf"):
+                continue
+            r = fn(work, args)
+            samples.setdefault(key, []).append(r)
+            print(f"  done: {r['name']}: {r['tok_per_s']:.1f} tok/s in {r['wall_s']:.1f} s", flush=True)
     runs = {}
-    for key, fn in plan:
-        if key.split("_")[0] in skip:
-            continue
-        runs[key] = fn(work, args)
-        r = runs[key]
-        print(f"  done: {r['name']}: {r['tok_per_s']:.1f} tok/s in {r['wall_s']:.1f} s", flush=True)
+    for key, rs in samples.items():
+        runs[key] = sorted(rs, key=lambda r: r["tok_per_s"])[len(rs) // 2]  # the median run
+        if len(rs) > 1:
+            runs[key]["all_tok_per_s"] = [round(r["tok_per_s"], 1) for r in rs]
 
     base = runs.get("hf")
     print(f"\n{'run':34s} {'tok/s':>8s} {'x HF':>6s} {'TTFT mean/p50/p99 (s)':>24s} {'ITL mean/p50/p99 (ms)':>24s}")
@@ -280,6 +312,9 @@ def main() -> int:
               f"{t['mean']:8.2f}/{t['p50']:.2f}/{t['p99']:.2f} {i['mean'] * 1e3:9.1f}/{i['p50'] * 1e3:.1f}/{i['p99'] * 1e3:.1f}")
     if "engine" in runs and "daemon" in runs:
         print(f"daemon / engine throughput: {runs['daemon']['tok_per_s'] / runs['engine']['tok_per_s']:.3f}")
+        if args.repeat > 1:
+            pairs = [d["tok_per_s"] / e["tok_per_s"] for e, d in zip(samples["engine"], samples["daemon"])]
+            print(f"  per round: {', '.join(f'{x:.3f}' for x in pairs)}")
     if "engine" in runs and "engine_mixed" in runs:
         g, m = runs["engine"]["tok_per_s"], runs["engine_mixed"]["tok_per_s"]
         ratio = m / g

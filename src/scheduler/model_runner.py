@@ -17,6 +17,7 @@ from kernels.attention import AttentionMetadata, build_varlen
 from kernels.triton_attention import decode_splits, triton_available
 
 from .config import EngineConfig, parse_memory_size
+from .cpu_malloc import keep_freed_memory
 from .device import free_memory_bytes, resolve_device, resolve_dtype, synchronize
 from .model_config import ModelConfig
 from .model_source import resolve_model
@@ -64,6 +65,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
             torch.set_flush_denormal(True)  # denormal activations slow x86 math by orders of magnitude
+            keep_freed_memory()  # no page faults on every step's activations (cpu_malloc.py)
         torch.manual_seed(config.seed)
 
         loaded = loaded or load_model(config)
