@@ -14,6 +14,7 @@ from torch import nn
 
 from kernels import triton_attention, triton_ops
 from kernels.activation import silu_and_mul
+from kernels.linear import linear
 from kernels.attention import AttentionMetadata, paged_attention, store_kv
 from kernels.norm import rms_norm
 from kernels.rotary import apply_rotary, rope_cos_sin
@@ -23,6 +24,10 @@ from ..model_config import ModelConfig
 logger = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def _project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, layer.weight, layer.bias)
 
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None) -> nn.Linear:
@@ -82,7 +87,7 @@ class Attention(nn.Module):
     def forward(self, rope, x, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         if self.triton:  # 3 launches between the two GEMMs
             q = triton_ops.qkv_rope_store(
-                self.qkv_proj(x), self.num_heads, self.num_kv_heads, *rope, kv_cache[0], kv_cache[1],
+                _project(self.qkv_proj, x), self.num_heads, self.num_kv_heads, *rope, kv_cache[0], kv_cache[1],
                 meta.slot_mapping,
                 self.q_norm.weight if self.qk_norm else None,
                 self.k_norm.weight if self.qk_norm else None,
@@ -92,8 +97,8 @@ class Attention(nn.Module):
                 q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc, meta.seq_lens,
                 self.scale, max_query_len=meta.max_query_len, num_splits=meta.num_splits,
             )
-            return self.o_proj(o.view(-1, self.q_size))
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            return _project(self.o_proj, o.view(-1, self.q_size))
+        q, k, v = _project(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -102,7 +107,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, k, *rope)
         store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, k, v)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return _project(self.o_proj, o.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -114,7 +119,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = triton_ops.silu_and_mul if self.triton else silu_and_mul
-        return self.down_proj(act(self.gate_up_proj(x)))
+        return _project(self.down_proj, act(_project(self.gate_up_proj, x)))
 
 
 class DecoderLayer(nn.Module):
@@ -191,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head over only the rows that sample: ``[N, hidden] -> [N, vocab]``."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)
+        return linear(hidden, weight)
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
