@@ -132,3 +132,23 @@ def test_other_policies(daemon, tmp_path_factory, policy):
             r.post("/v1/chat/completions", {"model": r.model, "messages": QUESTION, "temperature": 0, "max_tokens": 32})
         )
         assert "Paris" in data["choices"][0]["message"]["content"]
+
+
+def test_router_admin_endpoints_reach_the_daemon(router, model, grpc_stub, tmp_path):
+    """The router's operator endpoints (contract §4): /flush_cache -> FlushCache(0),
+    /start_profile + /stop_profile -> a torch.profiler trace in output_dir, /get_loads."""
+    assert wait_daemon_idle(grpc_stub) == 0
+    flushed = ok_json(router.post("/flush_cache", {}))
+    assert flushed.get("status") == "success" and flushed.get("workers_flushed") == 1, flushed
+
+    out_dir = tmp_path / "profile"
+    ok_json(router.post("/start_profile", {"output_dir": str(out_dir)}))
+    body = {"model": model, "messages": QUESTION, "temperature": 0, "max_tokens": 4}
+    ok_json(router.post("/v1/chat/completions", body))
+    ok_json(router.post("/stop_profile", {}))
+    traces = list(out_dir.glob("*.json.gz"))
+    assert traces and traces[0].stat().st_size > 0, list(out_dir.iterdir()) if out_dir.exists() else "no dir"
+
+    loads = router.get("/get_loads")
+    assert loads.status == 200, loads
+    assert loads.json() is not None
