@@ -93,24 +93,37 @@ def tail(path: Path, lines: int = 60) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _group_members(pgid: int) -> Optional[list[int]]:
-    """Live (non-zombie) pids of process group `pgid`, from /proc; None without /proc."""
-    proc = Path("/proc")
-    if not (proc / "self" / "stat").exists():
-        return None
-    pids = []
-    for d in proc.iterdir():
+def proc_stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the /proc/<pid>/stat fields after "(comm)": state ppid pgrp ...) of every process."""
+    for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
             stat = (d / "stat").read_text()
         except OSError:
             continue
-        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) >= 3 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            pids.append(int(d.name))
-    return pids
+        yield int(d.name), stat[stat.rfind(")") + 2:].split()  # comm may hold spaces and parentheses
+
+
+def _group_members(pgid: int) -> Optional[list[int]]:
+    """Live (non-zombie) pids of process group `pgid`, from /proc; None without /proc."""
+    if not Path("/proc/self/stat").exists():
+        return None
+    return [pid for pid, f in proc_stats() if len(f) >= 3 and int(f[2]) == pgid and f[0] not in ("Z", "X")]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid`, from /proc/<pid>/task/*/children or, without it, a /proc scan."""
+    kids: list[int] = []
+    tasks = list(Path(f"/proc/{pid}/task").glob("*/children"))
+    for f in tasks:
+        try:
+            kids += [int(x) for x in f.read_text().split()]
+        except OSError:
+            pass
+    if tasks:
+        return kids
+    return [child for child, f in proc_stats() if int(f[1]) == pid]
 
 
 def _group_alive(pgid: int) -> bool:

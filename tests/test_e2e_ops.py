@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import SCHEDULER_SERVICE, Daemon, Router, _group_members, find_executable
+from helpers import SCHEDULER_SERVICE, Daemon, Router, _group_members, child_pids, find_executable
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
@@ -68,29 +68,6 @@ def wait_idle(stub, timeout=20.0) -> None:
 def sched_stats(stub) -> dict:
     fields = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).scheduler_info.fields
     return {k: v.number_value for k, v in fields.items() if v.WhichOneof("kind") == "number_value"}
-
-
-def child_pids(pid: int) -> list[int]:
-    """Direct children of `pid`, from /proc/<pid>/task/*/children or, without it, a /proc scan."""
-    kids: list[int] = []
-    tasks = list(Path(f"/proc/{pid}/task").glob("*/children"))
-    for f in tasks:
-        try:
-            kids += [int(x) for x in f.read_text().split()]
-        except OSError:
-            pass
-    if tasks:
-        return kids
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        if int(stat[stat.rfind(")") + 2:].split()[1]) == pid:
-            kids.append(int(d.name))
-    return kids
 
 
 def cmdline(pid: int) -> list[str]:

@@ -14,29 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from helpers import Router
 from test_e2e_grpc import make_request, one_complete, sampling
+from test_e2e_router import QUESTION, model, ok_json, router  # noqa: F401  (fixtures)
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}]
 TIMEOUT = 180.0  # generous: the 2 CPU cores are shared with other work
-
-
-@pytest.fixture(scope="module")
-def router(daemon, tmp_path_factory):
-    with Router(daemon.port, log_dir=tmp_path_factory.mktemp("router-sampling")) as r:
-        yield r
-
-
-@pytest.fixture(scope="module")
-def model(router, model_info):
-    assert router.model == (model_info.served_model_name or model_info.model_path)
-    return router.model
-
-
-def ok_json(resp):
-    assert resp.status == 200, resp
-    return resp.json()
 
 
 def chat(router, model, messages=QUESTION, **kw):
