@@ -86,6 +86,22 @@ def tokenizer(model_info):
     return AutoTokenizer.from_pretrained(path)
 
 
+@pytest.fixture(scope="module")
+def router(daemon, tmp_path_factory):
+    """`smg launch --backend sglang` in front of the session daemon (one per test module)."""
+    from helpers import Router
+
+    with Router(daemon.port, log_dir=tmp_path_factory.mktemp("router")) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def model(router, model_info):
+    """The model name the router serves: the daemon's served name."""
+    assert router.model == (model_info.served_model_name or model_info.model_path)
+    return router.model
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

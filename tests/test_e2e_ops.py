@@ -30,8 +30,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import SCHEDULER_SERVICE, Daemon, Router, _group_members, child_pids, find_executable
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+from test_e2e_grpc import RPC_TIMEOUT, make_request, one_complete, sched_stat, wait_idle
 
-RPC_TIMEOUT = 180
 STORY = [6403, 1980, 253, 655]  # "Once upon a time"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -39,35 +39,13 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # ------------------------------------------------------------------ small helpers
 
 
-def make_request(input_ids, max_new_tokens=16, stream=False, ignore_eos=True) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        request_id=f"ops-{uuid.uuid4().hex[:16]}",
-        tokenized=pb.TokenizedInput(original_text="", input_ids=list(input_ids)),
-        sampling_params=pb.SamplingParams(
-            max_new_tokens=max_new_tokens, top_p=1.0, top_k=-1, repetition_penalty=1.0,
-            skip_special_tokens=True, spaces_between_special_tokens=True, n=1, ignore_eos=ignore_eos,
-        ),
-        stream=stream,
-        logprob_start_len=-1,
-    )
+def complete(stub, input_ids, max_new_tokens=2):
+    """The Complete of one non-streaming request (EOS ignored: always max_new_tokens)."""
+    return one_complete(stub, make_request(input_ids, max_new_tokens=max_new_tokens, ignore_eos=True))
 
 
-def one_complete(stub, input_ids, max_new_tokens=2):
-    msgs = list(stub.Generate(make_request(input_ids, max_new_tokens), timeout=RPC_TIMEOUT))
-    assert [m.WhichOneof("response") for m in msgs] == ["complete"], msgs
-    return msgs[0].complete
-
-
-def wait_idle(stub, timeout=20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).active_requests:
-        assert time.monotonic() < deadline, "the daemon did not go idle"
-        time.sleep(0.1)
-
-
-def sched_stats(stub) -> dict:
-    fields = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).scheduler_info.fields
-    return {k: v.number_value for k, v in fields.items() if v.WhichOneof("kind") == "number_value"}
+def idle(stub) -> None:
+    assert wait_idle(stub, timeout=20.0) == 0, "the daemon did not go idle"
 
 
 def cmdline(pid: int) -> list[str]:
@@ -108,7 +86,7 @@ def test_scheduler_kill9_fails_fast_and_exits_nonzero(tmp_path):
         with grpc.insecure_channel(d.address) as ch:
             stub = pb_grpc.SglangSchedulerStub(ch)
             health = health_pb2_grpc.HealthStub(ch)
-            call = stub.Generate(make_request(STORY, max_new_tokens=1500, stream=True), timeout=RPC_TIMEOUT)
+            call = stub.Generate(make_request(STORY, max_new_tokens=1500, stream=True, ignore_eos=True), timeout=RPC_TIMEOUT)
             first = next(call)
             assert first.WhichOneof("response") == "chunk"
 
@@ -211,20 +189,20 @@ def flush_via_grpcurl(grpcurl, timeout_s) -> dict:
 
 def test_grpcurl_flush_cache_drops_the_prefix_cache(grpcurl, stub):
     prompt = [1000 + (i * 7919) % 40000 for i in range(64)]  # 4 full blocks, unlike any other test's
-    one_complete(stub, prompt)
-    assert one_complete(stub, prompt).cached_tokens > 0, "the repeated prompt should hit the prefix cache"
-    wait_idle(stub)
+    complete(stub, prompt)
+    assert complete(stub, prompt).cached_tokens > 0, "the repeated prompt should hit the prefix cache"
+    idle(stub)
     r = flush_via_grpcurl(grpcurl, 0)
     assert r.get("success") is True, r
     assert r.get("message"), r
-    assert one_complete(stub, prompt).cached_tokens == 0, "the prefix cache survived FlushCache"
+    assert complete(stub, prompt).cached_tokens == 0, "the prefix cache survived FlushCache"
 
 
 def test_grpcurl_flush_cache_busy_and_waiting(grpcurl, stub):
     """timeout_s 0 while a request runs: success false with the reason; timeout_s > 0: waits
     until the daemon is idle, then flushes (the running request still finishes normally)."""
-    wait_idle(stub)
-    call = stub.Generate(make_request(STORY, max_new_tokens=150, stream=True), timeout=RPC_TIMEOUT)
+    idle(stub)
+    call = stub.Generate(make_request(STORY, max_new_tokens=150, stream=True, ignore_eos=True), timeout=RPC_TIMEOUT)
     msgs = [next(call)]
     busy = flush_via_grpcurl(grpcurl, 0)
     assert busy.get("success", False) is False, busy
@@ -381,14 +359,14 @@ def test_cache_aware_routes_shared_prefix_to_the_daemon_holding_it(daemon, secon
             def send(prompt, n=4):
                 """One completion through the router; returns (usage, which daemon generated it)."""
                 for s in stubs.values():
-                    wait_idle(s)
-                before = {k: sched_stats(s)["num_generated_tokens"] for k, s in stubs.items()}
+                    idle(s)
+                before = {k: sched_stat(s, "num_generated_tokens") for k, s in stubs.items()}
                 resp = r.post("/v1/completions", {"model": r.model, "prompt": prompt, "max_tokens": n,
                                                    "temperature": 0, "ignore_eos": True})
                 assert resp.status == 200, resp
                 for s in stubs.values():
-                    wait_idle(s)
-                after = {k: sched_stats(s)["num_generated_tokens"] for k, s in stubs.items()}
+                    idle(s)
+                after = {k: sched_stat(s, "num_generated_tokens") for k, s in stubs.items()}
                 served = [k for k in workers if after[k] - before[k] >= n]
                 assert len(served) == 1, (before, after)
                 return resp.json()["usage"], served[0]
@@ -398,8 +376,8 @@ def test_cache_aware_routes_shared_prefix_to_the_daemon_holding_it(daemon, secon
             cached0 = (usage0.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             assert usage0["prompt_tokens"] == n_prefix, (usage0, n_prefix)
             assert cached0 < 64, f"the first long prompt was already cached: {usage0}"
-            hit_other = sched_stats(stubs[other])["cache_hit_rate"]
-            gen_other = sched_stats(stubs[other])["num_generated_tokens"]
+            hit_other = sched_stat(stubs[other], "cache_hit_rate")
+            gen_other = sched_stat(stubs[other], "num_generated_tokens")
             time.sleep(1.0)  # let the stored events reach the router
 
             results = []
@@ -412,8 +390,8 @@ def test_cache_aware_routes_shared_prefix_to_the_daemon_holding_it(daemon, secon
                 assert prompt_tokens > n_prefix
                 # Whole blocks of the prefix (16 tokens each); the block where the suffix starts may differ.
                 assert cached is not None and n_prefix - 32 <= cached <= n_prefix, results
-            assert sched_stats(stubs[other])["num_generated_tokens"] == gen_other
-            assert sched_stats(stubs[other])["cache_hit_rate"] == hit_other
+            assert sched_stat(stubs[other], "num_generated_tokens") == gen_other
+            assert sched_stat(stubs[other], "cache_hit_rate") == hit_other
             loads = {k: s.GetLoads(pb.GetLoadsRequest(include=["core"]), timeout=10).loads[0] for k, s in stubs.items()}
             assert loads[holder].cache_hit_rate > 0
 
@@ -422,7 +400,7 @@ def test_cache_aware_routes_shared_prefix_to_the_daemon_holding_it(daemon, secon
             # its requests there, while the first prefix's requests keep going to the holder.
             prefix2 = long_prefix(tokenizer, "vx" + uuid.uuid4().hex[:4])
             ids2 = tokenizer.encode(prefix2, add_special_tokens=False)
-            one_complete(stubs[other], ids2)
+            complete(stubs[other], ids2)
             time.sleep(1.0)  # let the stored events reach the router
             mixed = []
             for j in range(2):

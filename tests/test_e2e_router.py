@@ -4,42 +4,19 @@ OpenAI HTTP in, gRPC to the daemon (router contract §1, §2, §5, §11)."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from helpers import Router
+from test_e2e_grpc import wait_idle
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def router(daemon, tmp_path_factory):
-    with Router(daemon.port, log_dir=tmp_path_factory.mktemp("router")) as r:
-        yield r
-
-
-@pytest.fixture(scope="module")
-def model(router, model_info):
-    assert router.model == (model_info.served_model_name or model_info.model_path)
-    return router.model
 
 
 def ok_json(resp):
     assert resp.status == 200, resp
     return resp.json()
-
-
-def wait_daemon_idle(grpc_stub, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    n = None
-    while time.monotonic() < deadline:
-        n = grpc_stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).active_requests
-        if n == 0:
-            return 0
-        time.sleep(0.2)
-    return n
 
 
 def read_sse(router, path, body):
@@ -122,7 +99,7 @@ def test_stream_disconnect_aborts_in_daemon(router, model, grpc_stub):
         if got >= 3:
             break
     gen.close()  # closes the HTTP response: the router sees the client leave
-    assert wait_daemon_idle(grpc_stub) == 0, "the daemon kept generating after the client left"
+    assert wait_idle(grpc_stub) == 0, "the daemon kept generating after the client left"
 
 
 @pytest.mark.parametrize("policy", ["least_load", "round_robin"])
@@ -137,7 +114,7 @@ def test_other_policies(daemon, tmp_path_factory, policy):
 def test_router_admin_endpoints_reach_the_daemon(router, model, grpc_stub, tmp_path):
     """The router's operator endpoints (contract §4): /flush_cache -> FlushCache(0),
     /start_profile + /stop_profile -> a torch.profiler trace in output_dir, /get_loads."""
-    assert wait_daemon_idle(grpc_stub) == 0
+    assert wait_idle(grpc_stub) == 0
     flushed = ok_json(router.post("/flush_cache", {}))
     assert flushed.get("status") == "success" and flushed.get("workers_flushed") == 1, flushed
 
@@ -151,4 +128,9 @@ def test_router_admin_endpoints_reach_the_daemon(router, model, grpc_stub, tmp_p
 
     loads = router.get("/get_loads")
     assert loads.status == 200, loads
-    assert loads.json() is not None
+    ours = pb.GetLoadsRequest(include=["core", "memory"])
+    direct = grpc_stub.GetLoads(ours, timeout=10).loads[0]
+    (worker,) = loads.json()["loads"]  # the daemon's own numbers, relayed by the router
+    assert worker["max_total_num_tokens"] == direct.max_total_num_tokens > 0, worker
+    assert worker["max_running_requests"] == direct.max_running_requests, worker
+    assert worker["num_running_reqs"] == 0 and worker["memory"]["weight_gb"] > 0, worker

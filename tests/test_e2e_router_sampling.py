@@ -8,6 +8,7 @@ Greedy (temperature 0) wherever the assertion depends on the exact text."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +16,7 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from test_e2e_grpc import make_request, one_complete, sampling
-from test_e2e_router import QUESTION, model, ok_json, router  # noqa: F401  (fixtures)
+from test_e2e_router import QUESTION, ok_json
 
 STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}]
 TIMEOUT = 180.0  # generous: the 2 CPU cores are shared with other work
@@ -308,8 +309,6 @@ def wait_kv_free(grpc_stub, timeout=30.0):
 def test_non_stream_disconnect_frees_kv(router, model, grpc_stub, reference):
     """A non-streaming client that times out: the router cancels the Generate RPC (contract
     §5, no Abort); the daemon must stop and free its KV all the same."""
-    import threading
-
     assert wait_kv_free(grpc_stub) == (0, 0, 0), "KV held before the test started"
     body = {"model": model, "messages": STORY, "temperature": 0, "max_tokens": 2000, "ignore_eos": True}
     outcome = []
