@@ -8,7 +8,8 @@
  *   softmax online, fp32, per query head;
  *   values  the output row of a query head stays in registers across the block's tokens
  *           (no load/store of the accumulator per token).
- * The GQA query heads of a KV head reuse its K/V rows while they are in L1.
+ * The GQA query heads of a KV head reuse its K/V rows while they are in L1; the next
+ * block is prefetched while the current one is computed.
  * Vectors are GCC/Clang vector extensions (8 floats): AVX2 registers on x86, pairs of NEON
  * registers on Arm; head_dim 64 and 128 get unrolled copies, other multiples of 8 a generic one.
  *
@@ -32,6 +33,18 @@ static inline float hsum(v8 x) {
     float s = 0.f;
     for (int i = 0; i < 8; i++) s += x[i];
     return s;
+}
+
+/* Ask for the next block's K and V (all heads) while this one is computed. Blocks sit
+ * anywhere in the cache, so the hardware prefetcher loses the stream at every block edge;
+ * without this the kernel waits on DRAM latency (W64-like decode, 64 x 400 tokens x 30
+ * layers: 110 -> 75-80 ms). Hint 2 (to L2, not L1) measured faster than 3, 1 or 0. */
+static inline void prefetch_block(const float *k_cache, const float *v_cache, int64_t offset, int floats) {
+    const char *k = (const char *)(k_cache + offset), *v = (const char *)(v_cache + offset);
+    for (int64_t b = 0; b < (int64_t)floats * 4; b += 64) {
+        __builtin_prefetch(k + b, 0, 2);
+        __builtin_prefetch(v + b, 0, 2);
+    }
 }
 
 /* One request, one KV head, one block: scores of the G query heads for `len` tokens. */
@@ -121,6 +134,9 @@ void paged_decode_attention_f32(const float *q, const float *k_cache, const floa
         memset(acc, 0, sizeof(float) * H * D);
         for (int64_t start = 0; start < seq; start += block_size) {
             const int64_t base = table[start / block_size] * block_size;
+            if (start + block_size < seq)
+                prefetch_block(k_cache, v_cache, table[start / block_size + 1] * block_size * row_stride,
+                               block_size * row_stride);
             const int len = (int)(seq - start < block_size ? seq - start : block_size);
             for (int h = 0; h < Hkv; h++) {
                 const float *kb = k_cache + base * row_stride + (int64_t)h * D;
