@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels
+from .norm import rms_norm_torch
+from .rotary import apply_rotary
 
 
 @dataclass
@@ -144,6 +146,38 @@ def build_varlen(
         max_query_len=max(query_lens, default=0),
         num_splits=num_splits,
     )
+
+
+def qkv_rope_store(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From a fused ``[T, (H + 2 Hkv) D]`` q|k|v projection (any strides): ``q [T, H, D]`` and
+    ``k, v [T, Hkv, D]``, with the per-head RMSNorm (``qk_norm = (q_weight, k_weight, eps)``,
+    Qwen3) and rotary applied to q and k, and k, v stored in their cache slots."""
+    q_w, k_w, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
+    native = cpu_kernels.qkv_rope_store(
+        qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping, q_w, k_w, eps
+    )
+    if native is not None:
+        return native
+    head_dim = k_cache.shape[-1]
+    q, k, v = qkv.contiguous().split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q = q.reshape(-1, num_heads, head_dim)
+    k = k.reshape(-1, num_kv_heads, head_dim)
+    v = v.reshape(-1, num_kv_heads, head_dim)
+    if qk_norm is not None:  # Qwen3 normalises each head before rope
+        q, k = rms_norm_torch(q, q_w, eps), rms_norm_torch(k, k_w, eps)
+    q, k = apply_rotary(q, k, cos, sin)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q, k, v
 
 
 def store_kv(

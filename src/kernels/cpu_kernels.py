@@ -1,7 +1,10 @@
 """Native CPU kernels: small C files in ``csrc/`` compiled on first use with the system C
 compiler (cached per source, flags and CPU), called through ctypes on tensor pointers.
 
-If no compiler is available the callers fall back to the torch reference path.
+Each wrapper returns None when its kernel does not apply (not fp32 on the CPU, a layout it
+does not read, no compiler); the caller then takes the torch reference path.
+
+``SERVICER_DISABLE_NATIVE_KERNELS=1`` turns them all off.
 """
 
 from __future__ import annotations
@@ -62,8 +65,12 @@ def load_library(name: str) -> ctypes.CDLL | None:
     return ctypes.CDLL(lib_path)
 
 
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(None if t is None else t.data_ptr())
+
+
+def _fp32_cpu(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in tensors)
 
 
 def paged_decode_attention(
@@ -102,3 +109,100 @@ def paged_decode_attention(
         ctypes.c_int(block_size), ctypes.c_int(tables.shape[1]), ctypes.c_float(scale),
     )
     return out
+
+
+# -- fused element-wise kernels of the decoder layer (csrc/fused_ops.c) ------------------------
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """RMSNorm of ``x [T, D]`` (any strides), or of ``x + residual`` with ``residual``
+    updated in place and returned as the new residual stream: ``(out, residual)``."""
+    if (
+        x.dim() != 2
+        or not _fp32_cpu(x, weight, residual)
+        or not weight.is_contiguous()
+        or (residual is not None and not (residual.is_contiguous() and residual.shape == x.shape))
+    ):
+        return None
+    lib = load_library("fused_ops")
+    if lib is None:
+        return None
+    t, d = x.shape
+    out = torch.empty(t, d)
+    lib.add_rms_norm_f32(
+        _ptr(x), ctypes.c_int64(x.stride(0)), ctypes.c_int64(x.stride(1)), _ptr(residual), _ptr(weight), _ptr(out),
+        ctypes.c_int(t), ctypes.c_int(d), ctypes.c_float(eps),
+    )
+    return out if residual is None else (out, residual)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` of a fused ``[T, 2I]`` gate|up projection, row- or column-major;
+    the output ``[T, I]`` has the input's layout."""
+    if x.dim() != 2 or x.shape[1] % 2 or not _fp32_cpu(x):
+        return None
+    t, i = x.shape[0], x.shape[1] // 2
+    if x.stride(1) == 1:  # row-major: a token's features are contiguous
+        out = torch.empty(t, i)
+        outer, inner, stride, up, out_stride = t, i, x.stride(0), i, i
+    elif x.stride(0) == 1:  # column-major: a feature's tokens are contiguous
+        out = torch.empty_strided((t, i), (1, t))
+        outer, inner, stride, up, out_stride = i, t, x.stride(1), i * x.stride(1), t
+    else:
+        return None
+    lib = load_library("fused_ops")
+    if lib is None:
+        return None
+    lib.silu_mul_f32(
+        _ptr(x), ctypes.c_int64(stride), ctypes.c_int64(up), _ptr(out), ctypes.c_int64(out_stride),
+        ctypes.c_int(outer), ctypes.c_int(inner),
+    )
+    return out
+
+
+def qkv_rope_store(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Split a fused ``[T, (H + 2 Hkv) D]`` projection (any strides) into ``q [T, H, D]``,
+    ``k, v [T, Hkv, D]`` with the optional per-head RMSNorm and rotary applied to q and k,
+    and store k and v in their cache slots (slot -1: not stored)."""
+    t = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    if (
+        qkv.dim() != 2
+        or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim
+        or k_cache.shape[-2] != num_kv_heads
+        or head_dim % 2
+        or head_dim > 512
+        or not _fp32_cpu(qkv, cos, sin, k_cache, v_cache, q_norm, k_norm)
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.is_contiguous())
+        or slot_mapping.dtype != torch.int64
+        or cos.stride(1) != 1
+        or sin.stride(1) != 1
+        or cos.stride(0) != sin.stride(0)
+        or any(w is not None and not w.is_contiguous() for w in (q_norm, k_norm))
+    ):
+        return None
+    lib = load_library("fused_ops")
+    if lib is None:
+        return None
+    q = torch.empty(t, num_heads, head_dim)
+    k = torch.empty(t, num_kv_heads, head_dim)
+    v = torch.empty(t, num_kv_heads, head_dim)
+    lib.qkv_rope_store_f32(
+        _ptr(qkv), ctypes.c_int64(qkv.stride(0)), ctypes.c_int64(qkv.stride(1)), _ptr(q_norm), _ptr(k_norm),
+        ctypes.c_float(eps), _ptr(cos), _ptr(sin), ctypes.c_int64(cos.stride(0)), _ptr(slot_mapping),
+        _ptr(k_cache), _ptr(v_cache), _ptr(q), _ptr(k), _ptr(v),
+        ctypes.c_int(t), ctypes.c_int(num_heads), ctypes.c_int(num_kv_heads), ctypes.c_int(head_dim),
+    )
+    return q, k, v

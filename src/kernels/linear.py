@@ -25,13 +25,19 @@ COLUMN_BLOCK = 1024  # weight rows per block of a wide projection
 WIDE_MIN_COLUMNS = 8 * COLUMN_BLOCK
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, row_major: bool = True
+) -> torch.Tensor:
+    """``[T, N]``; with ``row_major=False`` a short CPU batch's result may stay column-major
+    (the transposed view of ``weight @ x.T``, strides ``(1, T)``) for consumers that read
+    any strides (the fused kernels in ``cpu_kernels``), saving the transpose copy."""
     if x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)
     if weight.shape[0] >= WIDE_MIN_COLUMNS:
         return _column_blocked(x, weight, bias)
     if x.shape[0] <= TRANSPOSED_MAX_ROWS:
-        out = torch.mm(weight, x.t()).t().contiguous()
+        out = torch.mm(weight, x.t()).t()
+        out = out.contiguous() if row_major else out
         return out if bias is None else out.add_(bias)
     return F.linear(x, weight, bias)
 

@@ -1,8 +1,10 @@
-"""RMSNorm, optionally fused with the residual add that precedes it (torch reference path)."""
+"""RMSNorm, optionally fused with the residual add that precedes it."""
 
 from __future__ import annotations
 
 import torch
+
+from . import cpu_kernels
 
 
 def rms_norm(
@@ -11,8 +13,17 @@ def rms_norm(
     """``weight * x / rms(x)`` over the last dim.
 
     With ``residual``: first ``x = x + residual`` and return ``(norm(x), x)``, the new
-    residual stream; fusing the add is what saves a pass over memory in the GPU kernels.
+    residual stream (the native CPU kernel updates ``residual`` in place and returns it).
     """
+    native = cpu_kernels.add_rms_norm(x, weight, eps, residual)
+    return native if native is not None else rms_norm_torch(x, weight, eps, residual)
+
+
+def rms_norm_torch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The reference path (any device and dtype); fusing the add is what saves a pass over
+    memory in the native and GPU kernels."""
     if residual is not None:
         x = x + residual
         residual = x

@@ -15,9 +15,9 @@ from torch import nn
 from kernels import triton_attention, triton_ops
 from kernels.activation import silu_and_mul
 from kernels.linear import linear
-from kernels.attention import AttentionMetadata, paged_attention, store_kv
+from kernels.attention import AttentionMetadata, paged_attention, qkv_rope_store
 from kernels.norm import rms_norm
-from kernels.rotary import apply_rotary, rope_cos_sin
+from kernels.rotary import rope_cos_sin
 
 from ..model_config import ModelConfig
 
@@ -26,8 +26,10 @@ logger = logging.getLogger(__name__)
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-def _project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, layer.weight, layer.bias)
+def _project(layer: nn.Linear, x: torch.Tensor, row_major: bool = False) -> torch.Tensor:
+    """The output may be column-major on the CPU (``linear(row_major=False)``): the native
+    fused kernels and the torch paths read any strides; the Triton kernels ask for rows."""
+    return linear(x, layer.weight, layer.bias, row_major)
 
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None) -> nn.Linear:
@@ -87,8 +89,8 @@ class Attention(nn.Module):
     def forward(self, rope, x, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         if self.triton:  # 3 launches between the two GEMMs
             q = triton_ops.qkv_rope_store(
-                _project(self.qkv_proj, x), self.num_heads, self.num_kv_heads, *rope, kv_cache[0], kv_cache[1],
-                meta.slot_mapping,
+                _project(self.qkv_proj, x, row_major=True), self.num_heads, self.num_kv_heads, *rope,
+                kv_cache[0], kv_cache[1], meta.slot_mapping,
                 self.q_norm.weight if self.qk_norm else None,
                 self.k_norm.weight if self.qk_norm else None,
                 self.eps,
@@ -97,15 +99,11 @@ class Attention(nn.Module):
                 q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc, meta.seq_lens,
                 self.scale, max_query_len=meta.max_query_len, num_splits=meta.num_splits,
             )
-            return _project(self.o_proj, o.view(-1, self.q_size))
-        q, k, v = _project(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:  # Qwen3 normalises each head before rope
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
-        store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+            return _project(self.o_proj, o.view(-1, self.q_size), row_major=True)
+        q, k, v = qkv_rope_store(
+            _project(self.qkv_proj, x), self.num_heads, self.num_kv_heads, *rope, kv_cache[0], kv_cache[1],
+            meta.slot_mapping, (self.q_norm.weight, self.k_norm.weight, self.eps) if self.qk_norm else None,
+        )
         o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, k, v)
         return _project(self.o_proj, o.reshape(-1, self.q_size))
 
@@ -119,7 +117,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = triton_ops.silu_and_mul if self.triton else silu_and_mul
-        return _project(self.down_proj, act(_project(self.gate_up_proj, x)))
+        return _project(self.down_proj, act(_project(self.gate_up_proj, x, self.triton)), self.triton)
 
 
 class DecoderLayer(nn.Module):

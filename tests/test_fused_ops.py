@@ -1,0 +1,103 @@
+"""The native fused CPU kernels (csrc/fused_ops.c) against their torch reference paths, on
+both layouts a projection can come out in (row-major, and column-major from
+``linear(row_major=False)`` on short batches)."""
+
+import pytest
+import torch
+
+from kernels import cpu_kernels
+from kernels.activation import silu_and_mul_torch
+from kernels.attention import qkv_rope_store, store_kv
+from kernels.norm import rms_norm_torch
+from kernels.rotary import apply_rotary, rope_cos_sin
+
+H, HKV, D, BLOCK = 6, 2, 16, 4
+
+
+@pytest.fixture(autouse=True)
+def native_kernels():
+    if cpu_kernels.load_library("fused_ops") is None:
+        pytest.skip("no C compiler: native kernels unavailable")
+
+
+def strided(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values, row-major or as the transposed view of a column-major buffer."""
+    return x.clone() if layout == "row" else x.t().contiguous().t()
+
+
+@pytest.mark.parametrize("layout", ["row", "column"])
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_add_rms_norm(layout, rows):
+    g = torch.Generator().manual_seed(rows)
+    x, res, w = torch.randn(rows, 96, generator=g), torch.randn(rows, 96, generator=g), torch.randn(96, generator=g)
+    x_in = strided(x, layout)
+    assert x_in.is_contiguous() == (layout == "row" or rows == 1)
+
+    torch.testing.assert_close(cpu_kernels.add_rms_norm(x_in, w, 1e-5), rms_norm_torch(x, w, 1e-5))
+
+    ref_out, ref_res = rms_norm_torch(x, w, 1e-5, res)
+    res_in = res.clone()
+    out, new_res = cpu_kernels.add_rms_norm(x_in, w, 1e-5, res_in)
+    assert new_res is res_in  # updated in place
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(new_res, ref_res)
+
+
+@pytest.mark.parametrize("layout", ["row", "column"])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_silu_mul(layout, rows):
+    x = torch.randn(rows, 2 * 80, generator=torch.Generator().manual_seed(rows)) * 4
+    out = cpu_kernels.silu_mul(strided(x, layout))
+    torch.testing.assert_close(out, silu_and_mul_torch(x))
+    if layout == "column" and rows > 1:
+        assert out.stride() == (1, rows)  # keeps the input's layout for the next projection
+
+
+def test_native_kernels_decline_what_they_do_not_read():
+    x = torch.randn(4, 32)
+    assert cpu_kernels.add_rms_norm(x.double(), torch.ones(32, dtype=torch.float64), 1e-6) is None
+    assert cpu_kernels.add_rms_norm(x.view(2, 2, 32), torch.ones(32), 1e-6) is None  # 3-D: the torch path
+    assert cpu_kernels.silu_mul(x[:, ::2]) is None  # neither dimension unit-stride
+    assert cpu_kernels.silu_mul(x.bfloat16()) is None
+
+
+@pytest.mark.parametrize("layout", ["row", "column"])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qkv_rope_store(layout, qk_norm):
+    g = torch.Generator().manual_seed(int(qk_norm))
+    t = 9
+    qkv = torch.randn(t, (H + 2 * HKV) * D, generator=g)
+    table = rope_cos_sin(D, 64, 10000.0)
+    positions = torch.tensor([3, 0, 1, 2, 3, 4, 5, 6, 7])
+    cos, sin = table[positions].chunk(2, dim=-1)
+    slots = torch.tensor([13, 0, 1, 2, 3, -1, 5, 6, 7])  # one padded slot, not stored
+    norm = (torch.randn(D, generator=g), torch.randn(D, generator=g), 1e-6) if qk_norm else None
+
+    caches = [torch.zeros(4, BLOCK, HKV, D) for _ in range(4)]
+    q, k, v = cpu_kernels.qkv_rope_store(
+        strided(qkv, layout), H, HKV, cos, sin, caches[0], caches[1], slots, *(norm or (None, None, 1e-6))
+    )
+
+    rq, rk, rv = qkv.split([H * D, HKV * D, HKV * D], dim=-1)
+    rq, rk, rv = rq.reshape(t, H, D), rk.reshape(t, HKV, D), rv.reshape(t, HKV, D)
+    if qk_norm:
+        rq, rk = rms_norm_torch(rq, norm[0], 1e-6), rms_norm_torch(rk, norm[1], 1e-6)
+    rq, rk = apply_rotary(rq, rk, cos, sin)
+    store_kv(rk, rv, caches[2], caches[3], slots)
+    for got, want in ((q, rq), (k, rk), (v, rv), (caches[0], caches[2]), (caches[1], caches[3])):
+        torch.testing.assert_close(got, want)
+    assert caches[0].view(-1, HKV, D)[4].abs().sum() == 0  # slot 4 belongs to the padded token: untouched
+
+
+def test_attention_qkv_rope_store_falls_back_to_torch(monkeypatch):
+    """The dispatching wrapper gives the same result with the native kernel switched off."""
+    qkv = torch.randn(5, (H + 2 * HKV) * D)
+    cos, sin = rope_cos_sin(D, 16, 10000.0)[:5].chunk(2, dim=-1)
+    slots = torch.arange(5)
+    native_caches = [torch.zeros(2, BLOCK, HKV, D) for _ in range(2)]
+    native = qkv_rope_store(strided(qkv, "column"), H, HKV, cos, sin, *native_caches, slots)
+    monkeypatch.setattr(cpu_kernels, "qkv_rope_store", lambda *a, **k: None)
+    torch_caches = [torch.zeros(2, BLOCK, HKV, D) for _ in range(2)]
+    reference = qkv_rope_store(strided(qkv, "column"), H, HKV, cos, sin, *torch_caches, slots)
+    for got, want in zip((*native, *native_caches), (*reference, *torch_caches)):
+        torch.testing.assert_close(got, want)
