@@ -121,6 +121,7 @@ def add_rms_norm(
         x.dim() != 2
         or not _fp32_cpu(x, weight, residual)
         or not weight.is_contiguous()
+        or weight.numel() != x.shape[1]
         or (residual is not None and not (residual.is_contiguous() and residual.shape == x.shape))
     ):
         return None
@@ -128,7 +129,7 @@ def add_rms_norm(
     if lib is None:
         return None
     t, d = x.shape
-    out = torch.empty(t, d)
+    out = torch.empty(t, d, dtype=torch.float32)
     lib.add_rms_norm_f32(
         _ptr(x), ctypes.c_int64(x.stride(0)), ctypes.c_int64(x.stride(1)), _ptr(residual), _ptr(weight), _ptr(out),
         ctypes.c_int(t), ctypes.c_int(d), ctypes.c_float(eps),
@@ -143,10 +144,10 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor | None:
         return None
     t, i = x.shape[0], x.shape[1] // 2
     if x.stride(1) == 1:  # row-major: a token's features are contiguous
-        out = torch.empty(t, i)
+        out = torch.empty(t, i, dtype=torch.float32)
         outer, inner, stride, up, out_stride = t, i, x.stride(0), i, i
     elif x.stride(0) == 1:  # column-major: a feature's tokens are contiguous
-        out = torch.empty_strided((t, i), (1, t))
+        out = torch.empty_strided((t, i), (1, t), dtype=torch.float32)
         outer, inner, stride, up, out_stride = i, t, x.stride(1), i * x.stride(1), t
     else:
         return None
@@ -182,23 +183,30 @@ def qkv_rope_store(
         qkv.dim() != 2
         or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim
         or k_cache.shape[-2] != num_kv_heads
+        or v_cache.shape != k_cache.shape
         or head_dim % 2
         or head_dim > 512
         or not _fp32_cpu(qkv, cos, sin, k_cache, v_cache, q_norm, k_norm)
         or not (k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.is_contiguous())
         or slot_mapping.dtype != torch.int64
+        or slot_mapping.device.type != "cpu"
+        or slot_mapping.shape != (t,)
+        or cos.dim() != 2
+        or sin.dim() != 2
+        or cos.shape[0] < t
+        or cos.shape[1] != head_dim // 2
         or cos.stride(1) != 1
         or sin.stride(1) != 1
         or cos.stride(0) != sin.stride(0)
-        or any(w is not None and not w.is_contiguous() for w in (q_norm, k_norm))
+        or any(w is not None and not (w.is_contiguous() and w.numel() == head_dim) for w in (q_norm, k_norm))
     ):
         return None
     lib = load_library("fused_ops")
     if lib is None:
         return None
-    q = torch.empty(t, num_heads, head_dim)
-    k = torch.empty(t, num_kv_heads, head_dim)
-    v = torch.empty(t, num_kv_heads, head_dim)
+    q = torch.empty(t, num_heads, head_dim, dtype=torch.float32)
+    k = torch.empty(t, num_kv_heads, head_dim, dtype=torch.float32)
+    v = torch.empty(t, num_kv_heads, head_dim, dtype=torch.float32)
     lib.qkv_rope_store_f32(
         _ptr(qkv), ctypes.c_int64(qkv.stride(0)), ctypes.c_int64(qkv.stride(1)), _ptr(q_norm), _ptr(k_norm),
         ctypes.c_float(eps), _ptr(cos), _ptr(sin), ctypes.c_int64(cos.stride(0)), _ptr(slot_mapping),

@@ -104,7 +104,9 @@ class Engine:
         self._record(batch, len(sampled))
         outputs = [self._output_of(req) for req in batch.requests if not req.is_finished]
         outputs = [o for o in outputs if o is not None] + self.finished_outputs()
-        return StepOutput(outputs=outputs, step=self.stats.steps, batch_size=len(batch), num_tokens=batch.num_tokens)
+        return StepOutput(
+            outputs=outputs, step=self.stats.steps, batch_size=len(batch), num_tokens=batch.num_tokens, load=self.load
+        )
 
     def finished_outputs(self) -> list[RequestOutput]:
         """Final outputs of every request finished since the last call (aborts included)."""

@@ -111,13 +111,6 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
     error_code: str | None = None  # gRPC status name for `error`
 
 
-class StepOutput(msgspec.Struct, tag=True):
-    outputs: list[RequestOutput]
-    step: int
-    batch_size: int
-    num_tokens: int
-
-
 class LoadSnapshot(msgspec.Struct):
     """The scheduler's load, refreshed after every step (read by GetLoads and health)."""
 
@@ -129,6 +122,16 @@ class LoadSnapshot(msgspec.Struct):
     max_total_num_tokens: int = 0
     gen_throughput: float = 0.0  # output tokens/s over the last few seconds
     cache_hit_rate: float = 0.0  # cached / all prompt tokens admitted so far
+
+
+class StepOutput(msgspec.Struct, tag=True):
+    outputs: list[RequestOutput]
+    step: int
+    batch_size: int
+    num_tokens: int
+    # The load after this step, so the servicer's GetLoads never shows a request running
+    # after its final output was delivered (heartbeats alone lag by up to HEARTBEAT_S).
+    load: LoadSnapshot | None = None
 
 
 class Heartbeat(msgspec.Struct, tag=True):

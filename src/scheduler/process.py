@@ -162,9 +162,10 @@ class SchedulerLoop:
                 self.send(reply)
         # Aborts finish requests outside a step: report them (and refusals) right away.
         finished = self.engine.finished_outputs()
-        if refused or finished:
-            self.send(StepOutput(outputs=refused + finished, step=self.engine.stats.steps, batch_size=0, num_tokens=0))
         self.engine.refresh_load()
+        if refused or finished:
+            self.send(StepOutput(outputs=refused + finished, step=self.engine.stats.steps, batch_size=0, num_tokens=0,
+                                 load=self.engine.load))
 
     def _add(self, msg: AddRequest) -> RequestOutput | None:
         from .scheduler import AdmissionError

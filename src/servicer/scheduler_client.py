@@ -155,6 +155,8 @@ class SchedulerClient:
             msg = from_scheduler_decoder.decode(raw.buffer)
             self.liveness.last_message = time.monotonic()
             if isinstance(msg, StepOutput):
+                if msg.load is not None:  # before the outputs: a finished request is no longer counted
+                    self.liveness.load = msg.load
                 for out in msg.outputs:
                     queue = self._requests.get(out.request_id)
                     if queue is not None:
