@@ -7,9 +7,9 @@ import torch
 
 from kernels import cpu_kernels
 from kernels.activation import silu_and_mul_torch
-from kernels.attention import qkv_rope_store, store_kv
+from kernels.attention import qkv_rope_store_torch
 from kernels.norm import rms_norm_torch
-from kernels.rotary import apply_rotary, rope_cos_sin
+from kernels.rotary import rope_cos_sin
 
 H, HKV, D, BLOCK = 6, 2, 16, 4
 
@@ -71,33 +71,11 @@ def test_qkv_rope_store(layout, qk_norm):
     positions = torch.tensor([3, 0, 1, 2, 3, 4, 5, 6, 7])
     cos, sin = table[positions].chunk(2, dim=-1)
     slots = torch.tensor([13, 0, 1, 2, 3, -1, 5, 6, 7])  # one padded slot, not stored
-    norm = (torch.randn(D, generator=g), torch.randn(D, generator=g), 1e-6) if qk_norm else None
+    norms = (torch.randn(D, generator=g), torch.randn(D, generator=g)) if qk_norm else (None, None)
 
     caches = [torch.zeros(4, BLOCK, HKV, D) for _ in range(4)]
-    q, k, v = cpu_kernels.qkv_rope_store(
-        strided(qkv, layout), H, HKV, cos, sin, caches[0], caches[1], slots, *(norm or (None, None, 1e-6))
-    )
-
-    rq, rk, rv = qkv.split([H * D, HKV * D, HKV * D], dim=-1)
-    rq, rk, rv = rq.reshape(t, H, D), rk.reshape(t, HKV, D), rv.reshape(t, HKV, D)
-    if qk_norm:
-        rq, rk = rms_norm_torch(rq, norm[0], 1e-6), rms_norm_torch(rk, norm[1], 1e-6)
-    rq, rk = apply_rotary(rq, rk, cos, sin)
-    store_kv(rk, rv, caches[2], caches[3], slots)
-    for got, want in ((q, rq), (k, rk), (v, rv), (caches[0], caches[2]), (caches[1], caches[3])):
+    native = cpu_kernels.qkv_rope_store(strided(qkv, layout), H, HKV, cos, sin, *caches[:2], slots, *norms, 1e-6)
+    reference = qkv_rope_store_torch(qkv, H, HKV, cos, sin, *caches[2:], slots, *norms, 1e-6)
+    for got, want in zip((*native, *caches[:2]), (*reference, *caches[2:])):
         torch.testing.assert_close(got, want)
     assert caches[0].view(-1, HKV, D)[4].abs().sum() == 0  # slot 4 belongs to the padded token: untouched
-
-
-def test_attention_qkv_rope_store_falls_back_to_torch(monkeypatch):
-    """The dispatching wrapper gives the same result with the native kernel switched off."""
-    qkv = torch.randn(5, (H + 2 * HKV) * D)
-    cos, sin = rope_cos_sin(D, 16, 10000.0)[:5].chunk(2, dim=-1)
-    slots = torch.arange(5)
-    native_caches = [torch.zeros(2, BLOCK, HKV, D) for _ in range(2)]
-    native = qkv_rope_store(strided(qkv, "column"), H, HKV, cos, sin, *native_caches, slots)
-    monkeypatch.setattr(cpu_kernels, "qkv_rope_store", lambda *a, **k: None)
-    torch_caches = [torch.zeros(2, BLOCK, HKV, D) for _ in range(2)]
-    reference = qkv_rope_store(strided(qkv, "column"), H, HKV, cos, sin, *torch_caches, slots)
-    for got, want in zip((*native, *native_caches), (*reference, *torch_caches)):
-        torch.testing.assert_close(got, want)

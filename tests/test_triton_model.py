@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("triton")
 transformers = pytest.importorskip("transformers")
 
-from kernels import activation, attention as ref_attn, norm as ref_norm, rotary as ref_rotary, triton_ops  # noqa: E402
+from kernels import activation, attention as ref_attn, rotary as ref_rotary, triton_ops  # noqa: E402
 from kernels.attention import build_varlen  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.cuda_graphs import DecodeGraphs, capture_sizes, decode_inputs, padded_size  # noqa: E402
@@ -47,13 +47,7 @@ def test_qkv_rope_store_matches_reference(qk_norm, dtype):
     caches = [torch.full((nb, bs, KVH, D), 7.0, dtype=dtype) for _ in range(4)]
 
     q = triton_ops.qkv_rope_store(qkv, H, KVH, cos, sin, caches[0], caches[1], slots, qw, kw, 1e-6)
-
-    rq, rk, rv = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
-    rq, rk, rv = rq.reshape(T, H, D), rk.reshape(T, KVH, D), rv.reshape(T, KVH, D)
-    if qk_norm:
-        rq, rk = ref_norm.rms_norm_torch(rq, qw, 1e-6), ref_norm.rms_norm_torch(rk, kw, 1e-6)
-    rq, rk = ref_rotary.apply_rotary(rq, rk, cos, sin)
-    ref_attn.store_kv(rk, rv, caches[2], caches[3], slots)
+    rq, _, _ = ref_attn.qkv_rope_store_torch(qkv, H, KVH, cos, sin, caches[2], caches[3], slots, qw, kw, 1e-6)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(q, rq, **tol)
     torch.testing.assert_close(caches[0], caches[2], **tol)

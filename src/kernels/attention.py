@@ -157,24 +157,30 @@ def qkv_rope_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From a fused ``[T, (H + 2 Hkv) D]`` q|k|v projection (any strides): ``q [T, H, D]`` and
-    ``k, v [T, Hkv, D]``, with the per-head RMSNorm (``qk_norm = (q_weight, k_weight, eps)``,
-    Qwen3) and rotary applied to q and k, and k, v stored in their cache slots."""
-    q_w, k_w, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
-    native = cpu_kernels.qkv_rope_store(
-        qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping, q_w, k_w, eps
-    )
-    if native is not None:
-        return native
+    ``k, v [T, Hkv, D]``, with the per-head RMSNorm (``q_norm``/``k_norm`` weights, Qwen3) and
+    rotary applied to q and k, and k, v stored in their cache slots (slot -1: not stored).
+    Same arguments as ``cpu_kernels.qkv_rope_store`` and ``triton_ops.qkv_rope_store``."""
+    args = (qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps)
+    native = cpu_kernels.qkv_rope_store(*args)
+    return native if native is not None else qkv_rope_store_torch(*args)
+
+
+def qkv_rope_store_torch(
+    qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping, q_norm=None, k_norm=None, eps=1e-6
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference path of :func:`qkv_rope_store` (any device, dtype and layout)."""
     head_dim = k_cache.shape[-1]
-    q, k, v = qkv.contiguous().split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
     q = q.reshape(-1, num_heads, head_dim)
     k = k.reshape(-1, num_kv_heads, head_dim)
     v = v.reshape(-1, num_kv_heads, head_dim)
-    if qk_norm is not None:  # Qwen3 normalises each head before rope
-        q, k = rms_norm_torch(q, q_w, eps), rms_norm_torch(k, k_w, eps)
+    if q_norm is not None:  # Qwen3 normalises each head before rope
+        q, k = rms_norm_torch(q, q_norm, eps), rms_norm_torch(k, k_norm, eps)
     q, k = apply_rotary(q, k, cos, sin)
     store_kv(k, v, k_cache, v_cache, slot_mapping)
     return q, k, v

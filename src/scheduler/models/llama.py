@@ -87,23 +87,19 @@ class Attention(nn.Module):
         self.triton = False
 
     def forward(self, rope, x, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        qkv_args = (
+            _project(self.qkv_proj, x, row_major=self.triton), self.num_heads, self.num_kv_heads, *rope,
+            kv_cache[0], kv_cache[1], meta.slot_mapping, *norms, self.eps,
+        )
         if self.triton:  # 3 launches between the two GEMMs
-            q = triton_ops.qkv_rope_store(
-                _project(self.qkv_proj, x, row_major=True), self.num_heads, self.num_kv_heads, *rope,
-                kv_cache[0], kv_cache[1], meta.slot_mapping,
-                self.q_norm.weight if self.qk_norm else None,
-                self.k_norm.weight if self.qk_norm else None,
-                self.eps,
-            )
+            q = triton_ops.qkv_rope_store(*qkv_args)
             o = triton_attention.unified_attention(
                 q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc, meta.seq_lens,
                 self.scale, max_query_len=meta.max_query_len, num_splits=meta.num_splits,
             )
             return _project(self.o_proj, o.view(-1, self.q_size), row_major=True)
-        q, k, v = qkv_rope_store(
-            _project(self.qkv_proj, x), self.num_heads, self.num_kv_heads, *rope, kv_cache[0], kv_cache[1],
-            meta.slot_mapping, (self.q_norm.weight, self.k_norm.weight, self.eps) if self.qk_norm else None,
-        )
+        q, k, v = qkv_rope_store(*qkv_args)
         o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, k, v)
         return _project(self.o_proj, o.reshape(-1, self.q_size))
 
