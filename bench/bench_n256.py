@@ -3,6 +3,7 @@
 In one process run, side by side:
   (a) our engine offline (Engine.generate): 256 requests submitted at once, temperature 0.6,
       ignore_eos, after one warm-up request; output tokens / wall time of the whole generate;
+      then the same without the overlap schedule (--skip-plain leaves it out), for the ratio;
   (b) batch-1 decode: the step time of one running request (engine ITL, and the model's
       forward + LM head alone) against the HBM floor = weight bytes / measured copy bandwidth
       (a large device-to-device copy, bytes read + written);
@@ -80,11 +81,11 @@ def build_models():
     return hf, LoadedModel("random-qwen3-0.6b", config, ours.cuda().eval())
 
 
-def run_engine(loaded: LoadedModel, args) -> tuple[dict, dict]:
+def run_engine(loaded: LoadedModel, args, overlap: bool = True) -> tuple[dict, dict]:
     config = EngineConfig(
         model="random-qwen3-0.6b", device="cuda", dtype="bfloat16", max_running_requests=args.max_running,
         max_num_batched_tokens=args.batched_tokens, kv_cache_memory=args.kv_memory, max_model_len=4096,
-        cuda_graph=not args.eager,
+        cuda_graph=not args.eager, overlap_schedule=overlap,
     )
     t = time.perf_counter()
     engine = Engine(config, ModelRunner(config, loaded))
@@ -167,12 +168,18 @@ def main() -> None:
     ap.add_argument("--batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-memory", default="40GiB")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--skip-plain", action="store_true", help="do not also run N256 without the overlap schedule")
     args = ap.parse_args()
 
     gpu = torch.cuda.get_device_name()
     bw = copy_bandwidth()
     hf, loaded = build_models()
     n256, batch1 = run_engine(loaded, args)
+    if not args.skip_plain:  # the same engine without the overlap schedule, for the ratio
+        plain, _ = run_engine(loaded, args, overlap=False)
+        n256["plain_schedule_tok_per_s"] = plain["tok_per_s"]
+        n256["overlap_over_plain"] = n256["tok_per_s"] / plain["tok_per_s"]
+        torch.cuda.empty_cache()
     floor_ms = 1e3 * batch1["weight_bytes"] / bw
     batch1.update(copy_bandwidth_gbs=bw / 1e9, hbm_floor_ms=floor_ms,
                   engine_step_x_floor=batch1["engine_step_ms"] / floor_ms)
@@ -187,6 +194,9 @@ def main() -> None:
     print(f"GPU: {gpu}, torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     print(f"N256 engine: {n256['output_tokens']} tokens in {n256['wall_s']:.2f} s = {n256['tok_per_s']:.0f} tok/s "
           f"({n256['steps']} steps, max batch {n256['max_batch_size']}, preemptions {n256['preemptions']})")
+    if "overlap_over_plain" in n256:
+        print(f"N256 without the overlap schedule: {n256['plain_schedule_tok_per_s']:.0f} tok/s "
+              f"(overlap / plain = {n256['overlap_over_plain']:.2f})")
     if "n256_hf" in result:
         h = result["n256_hf"]
         print(f"N256 HF static batch {h['batch']}: {h['tok_per_s']:.0f} tok/s ({h['batches_run']}/{h['batches_total']} "

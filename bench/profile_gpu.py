@@ -70,9 +70,12 @@ def step_probe() -> None:
     from scheduler.model_runner import ModelRunner
 
     _, loaded = build_models()
+    # The timers synchronise at every boundary, which defeats the overlap schedule: off here.
     config = EngineConfig(model="x", device="cuda", dtype="bfloat16", max_running_requests=256,
-                          max_num_batched_tokens=8192, kv_cache_memory="40GiB", max_model_len=4096)
+                          max_num_batched_tokens=8192, kv_cache_memory="40GiB", max_model_len=4096,
+                          overlap_schedule=False)
     engine = Engine(config, ModelRunner(config, loaded))
+    engine.generate([[5] * 100], SamplingParams(max_new_tokens=4, temperature=0.6, ignore_eos=True))
     totals: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
 
@@ -88,12 +91,14 @@ def step_probe() -> None:
         return wrapper
 
     engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
-    engine.scheduler.update = timed("update", engine.scheduler.update)
+    engine.scheduler.advance = timed("advance", engine.scheduler.advance)
+    engine.scheduler.complete = timed("complete", engine.scheduler.complete)
     engine.runner.model.forward = timed("model (eager)", engine.runner.model.forward)
     if engine.runner.graphs is not None:
         engine.runner.graphs.run = timed("model (graph)", engine.runner.graphs.run)
     engine.runner.sampler.run = timed("sampler", engine.runner.sampler.run)
-    engine.runner.execute = timed("execute", engine.runner.execute)
+    engine.runner.launch = timed("launch", engine.runner.launch)
+    engine._complete = timed("take tokens + outputs", engine._complete)
     engine.step = timed("step", engine.step)
     prompts, max_tokens = n256_workload()
     params = [SamplingParams(max_new_tokens=m, temperature=0.6, ignore_eos=True) for m in max_tokens]

@@ -147,3 +147,38 @@ def test_sampling_on_gpu(models):
     b = make_engine(loaded, dtype).generate(prompts()[:3], sp)
     assert [c.output_ids for c in a] == [c.output_ids for c in b]  # seeded: reproducible
     assert all(len(c.output_ids) == 16 for c in a)
+
+
+def test_overlap_schedule_matches_plain(models):
+    dtype, _, loaded = models
+    ps = prompts()
+    overlap = make_engine(loaded, dtype)
+    assert overlap.overlap  # the default on CUDA
+    out = overlap.generate(ps, GREEDY)
+    plain = make_engine(loaded, dtype, overlap_schedule=False).generate(ps, GREEDY)
+    same = sum(a.output_ids == b.output_ids for a, b in zip(out, plain))
+    assert same == len(ps) if dtype == torch.float32 else same >= len(ps) - 1
+    assert overlap.pool.num_used_blocks == 0 and overlap.inflight is None
+
+
+def test_launch_never_waits_for_the_gpu(models):
+    """The overlap schedule only pays if launching a step never synchronises with the
+    device: no pageable copies, no .item()/.tolist() (torch's sync debug mode raises)."""
+    dtype, _, loaded = models
+    eng = make_engine(loaded, dtype)
+    launch = eng.runner.launch
+    kinds = []
+
+    def checked(batch, prev=None):
+        kinds.append("decode" if batch.num_tokens == len(batch) else "mixed")
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(batch, prev)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    eng.runner.launch = checked
+    temp = SamplingParams(max_new_tokens=12, temperature=0.7, ignore_eos=True)
+    out = eng.generate(prompts(), [GREEDY, temp] * 3)
+    assert {"decode", "mixed"} <= set(kinds)
+    assert all(len(c.output_ids) in (12, 24) for c in out)

@@ -274,7 +274,7 @@ def test_batch_sampler_records_output_and_input_logprobs():
                    token_ids_logprob=[1, 2], logprob_start_len=0)
     other = make_req([9, 9, 9], rid="o", temperature=0.8, top_p=0.9, repetition_penalty=1.2)
     hidden = logits_of(7, seed=9)  # rows 0..3: req's prompt, 4..6: other's prompt
-    tokens = s.run([req, other], [4, 3], hidden, [3, 6])
+    tokens = s.run([req, other], [4, 3], hidden, [3, 6], [req, other]).tolist()
     assert len(tokens) == 2 and tokens[0] == int(hidden[3].argmax())
     lp = hidden.log_softmax(-1)
     il = req.input_logprobs
@@ -296,10 +296,10 @@ def test_input_logprobs_across_chunks_and_start_len():
     req = make_req(prompt, rid="c", temperature=0.0, return_logprob=True, logprob_start_len=4)
     hidden = logits_of(10, seed=3)
     assert req.prefix_cache_limit == 3
-    s.run([req], [6], hidden[:6], [])  # chunk 1: positions 0..5
+    s.run([req], [6], hidden[:6], [], [])  # chunk 1: positions 0..5
     req.num_computed_tokens = 6
     assert req.prefix_cache_limit == 6
-    s.run([req], [4], hidden[6:], [3])  # chunk 2: positions 6..9, samples
+    s.run([req], [4], hidden[6:], [3], [req])  # chunk 2: positions 6..9, samples
     lp = hidden.log_softmax(-1)
     il = req.input_logprobs
     assert il.token_ids == prompt[4:]

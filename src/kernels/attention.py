@@ -17,6 +17,7 @@ per step in :class:`AttentionMetadata` and reused by every layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -129,11 +130,14 @@ def build_varlen(
     block_size: int,
     device: torch.device | str,
     num_splits: int = 1,
+    upload: Callable[[np.ndarray], torch.Tensor] | None = None,
 ) -> AttentionMetadata:
     """Metadata for the unified (Triton) kernel: everything packed into one host array and
-    moved to the device in a single copy; the fields are views of it."""
+    moved to the device in a single copy; the fields are views of it. ``upload`` makes that
+    copy (the runner passes one through pinned memory that does not wait for the GPU)."""
     slots, pos, qsl, seq, table = varlen_arrays(query_lens, seq_lens, block_tables, block_size)
-    packed = torch.from_numpy(np.concatenate([slots, pos, qsl, seq, table.ravel()])).to(device, non_blocking=True)
+    host = np.concatenate([slots, pos, qsl, seq, table.ravel()])
+    packed = upload(host) if upload is not None else torch.from_numpy(host).to(device, non_blocking=True)
     t, b = len(slots), len(seq)
     cut = np.cumsum([t, t, b + 1, b])
     return AttentionMetadata(

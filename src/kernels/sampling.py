@@ -132,6 +132,16 @@ class SamplingTensors:
         )
 
     @staticmethod
+    def temperature_only(num_rows: int, fused_temperature: torch.Tensor | None = None) -> "SamplingTensors":
+        """Rows that are all greedy (no ``fused_temperature``) or only set a temperature
+        (``fused_temperature [N]``, 0 for greedy rows: the fused kernel's one input)."""
+        none = torch.empty(0)
+        return SamplingTensors(
+            temperature=none, top_p=none, top_k=none.long(), all_greedy=fused_temperature is None,
+            num_rows=0 if fused_temperature is None else num_rows, fused_temperature=fused_temperature,
+        )
+
+    @staticmethod
     def build(
         temperature: list[float],
         top_p: list[float],

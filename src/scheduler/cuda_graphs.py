@@ -9,7 +9,9 @@ Every graph reads its inputs from the same static buffers. A step copies its tok
 slots, positions and KV lengths there (padded rows: token 0, slot -1 so nothing is stored,
 KV length 0 so attention reads no key and writes zeros) and its block tables into the
 first rows of a static table; then replays. Only the real rows of the output are used.
-Steps with any prefill chunk run eagerly.
+Under the overlap schedule some token ids are still on the device (the previous step's
+samples): they are gathered into the static ids after the copy, on the stream, before
+the replay. Steps with any prefill chunk run eagerly.
 """
 
 from __future__ import annotations
@@ -54,8 +56,10 @@ def decode_inputs(
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, max_batch: int, max_blocks: int, block_size: int, device: torch.device,
-                 num_sms: int = 1):
+                 num_sms: int = 1, upload=None):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        # host array -> device tensor without waiting for the GPU (transfer.HostToDevice)
+        self.upload = upload or (lambda a: torch.from_numpy(a).to(device, non_blocking=True))
         self.num_kv_heads, self.num_sms = kv_caches[0][0].shape[2], num_sms
         self.sizes = capture_sizes(max_batch)
         top = self.sizes[-1]
@@ -105,13 +109,15 @@ class DecodeGraphs:
         n = len(input_ids)
         bs = padded_size(self.sizes, n)
         vecs, table = decode_inputs(input_ids, seq_lens, block_tables, self.block_size, bs)
-        dev = self.vecs.device
-        self.vecs[:, :bs].copy_(torch.from_numpy(vecs).to(dev, non_blocking=True))
-        self.block_tables[:n, : table.shape[1]].copy_(torch.from_numpy(table).to(dev, non_blocking=True))
+        self.vecs[:, :bs].copy_(self.upload(vecs))
+        self.block_tables[:n, : table.shape[1]].copy_(self.upload(table))
         return bs
 
-    def run(self, input_ids: list[int], seq_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
-        """Hidden states ``[n, hidden]`` of a decode batch (one query token per request)."""
+    def run(self, input_ids: list[int], seq_lens: list[int], block_tables: list[list[int]], patch=None) -> torch.Tensor:
+        """Hidden states ``[n, hidden]`` of a decode batch (one query token per request).
+        ``patch(ids)``: writes the token ids still on the device into the ids tensor."""
         bs = self.load_inputs(input_ids, seq_lens, block_tables)
+        if patch is not None:
+            patch(self.vecs[0])
         self.graphs[bs].replay()
         return self.outputs[bs][: len(input_ids)]

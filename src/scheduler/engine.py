@@ -11,7 +11,7 @@ from .block_pool import BlockPool
 from .config import EngineConfig
 from .kv_manager import KVCacheManager
 from .messages import AddRequest, LoadSnapshot, RequestOutput, SamplingParams, StepOutput
-from .model_runner import ModelRunner
+from .model_runner import LaunchedStep, ModelRunner
 from .request import Request
 from .scheduler import AdmissionError, Scheduler, SchedulerConfig
 
@@ -27,6 +27,16 @@ class EngineStats:
     recent_tokens: deque = field(default_factory=deque)  # (time, tokens sampled) of recent steps
 
 THROUGHPUT_WINDOW_S = 5.0
+
+
+def _needs_host_tokens(req: Request) -> bool:
+    """Does building this request's next step read its previous tokens on the host?"""
+    return (
+        req.grammar is not None  # the next bitmask follows the accepted token
+        or req.sampling.has_penalties  # penalties count the output tokens
+        or req.output_logprobs is not None  # recorded in step with the tokens
+        or req.needs_input_logprobs
+    )
 
 
 @dataclass
@@ -57,6 +67,10 @@ class Engine:
             eos,
         )
         self.stats = EngineStats()
+        # Overlap schedule: on accelerators unless disabled (a CPU computes on the cores
+        # that would do the bookkeeping: nothing to overlap, and outputs would lag a step).
+        self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.runner.device.type != "cpu"
+        self.inflight: LaunchedStep | None = None  # launched, tokens not yet taken
         self.load = LoadSnapshot(max_total_num_tokens=self.kv.capacity_tokens)
 
     # -- requests ----------------------------------------------------------------------
@@ -94,19 +108,48 @@ class Engine:
         return self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.inflight is not None
 
     # -- stepping ----------------------------------------------------------------------
     def step(self) -> StepOutput:
+        """Schedule and launch one step. With the overlap schedule the previous step's
+        tokens are taken (and its outputs made) only after this one is launched, so the
+        host's bookkeeping runs while the device computes; a step whose requests need
+        their tokens on the host first (grammar, penalties, logprobs) waits for them."""
         batch = self.scheduler.schedule()
-        sampled = self.runner.execute(batch) if len(batch) else []
-        self.scheduler.update(batch, sampled)
-        self._record(batch, len(sampled))
-        outputs = [self._output_of(req) for req in batch.requests if not req.is_finished]
-        outputs = [o for o in outputs if o is not None] + self.finished_outputs()
+        prev, self.inflight = self.inflight, None
+        overlap = self.overlap and not any(_needs_host_tokens(r) for r in batch.requests)
+        outputs: list[RequestOutput] = []
+        if prev is not None and not overlap:
+            outputs += self._complete(prev)
+            prev = None
+            batch = batch.unfinished()  # the tokens just taken may have finished some
+        launched = None
+        if len(batch):
+            launched = self.runner.launch(batch, prev)
+            sampling = self.scheduler.advance(batch)
+            assert len(sampling) == len(launched.sampling)
+        if prev is not None:
+            outputs += self._complete(prev)
+        if launched is not None:
+            if overlap:
+                self.inflight = launched
+            else:
+                outputs += self._complete(launched)
+        self._record(batch)
+        outputs += self.finished_outputs()
         return StepOutput(
             outputs=outputs, step=self.stats.steps, batch_size=len(batch), num_tokens=batch.num_tokens, load=self.load
         )
+
+    def _complete(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Take a launched step's tokens, advance its requests, and make their outputs."""
+        tokens = launched.result()
+        self.scheduler.complete(launched.batch, launched.sampling, tokens)
+        self.stats.num_generated_tokens += len(tokens)
+        self._recent_tokens(len(tokens))
+        outputs = [self._output_of(req) for req in launched.batch.requests if not req.is_finished]
+        return [o for o in outputs if o is not None]
 
     def finished_outputs(self) -> list[RequestOutput]:
         """Final outputs of every request finished since the last call (aborts included)."""
@@ -136,19 +179,21 @@ class Engine:
                 out.input_logprobs = req.input_logprobs.rows(0, len(req.input_logprobs.values))
         return out
 
-    def _record(self, batch, num_sampled: int) -> None:
+    def _record(self, batch) -> None:
         s = self.stats
         s.steps += 1
         n = len(batch)
         s.max_batch_size = max(s.max_batch_size, n)
         s.max_step_tokens = max(s.max_step_tokens, batch.num_tokens)
         s.batch_size_histogram[n] = s.batch_size_histogram.get(n, 0) + 1
-        s.num_generated_tokens += num_sampled
-        now = time.monotonic()
-        s.recent_tokens.append((now, num_sampled))
-        while s.recent_tokens and s.recent_tokens[0][0] < now - THROUGHPUT_WINDOW_S:
-            s.recent_tokens.popleft()
         self.refresh_load()
+
+    def _recent_tokens(self, num_sampled: int) -> None:
+        window = self.stats.recent_tokens
+        now = time.monotonic()
+        window.append((now, num_sampled))
+        while window and window[0][0] < now - THROUGHPUT_WINDOW_S:
+            window.popleft()
 
     def refresh_load(self) -> None:
         """Publish a new load snapshot (replaced whole, so other threads read it safely)."""
@@ -168,7 +213,7 @@ class Engine:
 
     def flush_cache(self) -> tuple[bool, str]:
         """Drop every cached prefix block; refused while requests hold KV."""
-        if self.scheduler.has_work():
+        if self.has_work():
             n = len(self.scheduler.running) + len(self.scheduler.waiting)
             return False, f"cannot flush the prefix cache: {n} request(s) in flight"
         if not self.pool.reset_prefix_cache():

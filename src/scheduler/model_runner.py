@@ -11,6 +11,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata, build_varlen
@@ -24,6 +25,7 @@ from .model_source import resolve_model
 from .models import build_model
 from .sampling_batch import BatchSampler
 from .scheduler import ScheduledBatch
+from .transfer import DeviceToHost, Download, HostToDevice
 from .weights import load_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,26 @@ CPU_DEFAULT_KV_BYTES = 2 * 2**30
 DEFAULT_BATCHED_TOKENS = {"cpu": 512}
 ACCELERATOR_BATCHED_TOKENS = 8192
 GPU_MEMORY_FRACTION = 0.85  # of the memory free after weights, for the KV cache
+
+
+class LaunchedStep:
+    """A step whose sampled tokens may still be on their way from the device."""
+
+    def __init__(self, batch: ScheduledBatch, sampling: list, download: Download | None):
+        self.batch = batch
+        self.sampling = sampling  # the requests that sample, in batch order
+        self.download = download
+        self._tokens: list[int] | None = None if download is not None else []
+
+    @property
+    def tokens_on_device(self) -> torch.Tensor:
+        return self.download.device_tensor
+
+    def result(self) -> list[int]:
+        """The sampled tokens (waits for the device the first time)."""
+        if self._tokens is None:
+            self._tokens = self.download.wait()
+        return self._tokens
 
 
 @dataclass
@@ -82,7 +104,8 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
-        self.sampler = BatchSampler(self.model, self.device, self.generator, self.model_config.vocab_size)
+        self.upload, self.download = HostToDevice(self.device), DeviceToHost(self.device)
+        self.sampler = BatchSampler(self.model, self.device, self.generator, self.model_config.vocab_size, self.upload)
         self.triton = self._use_triton()
         self.model.use_triton_kernels(self.triton)
         self.graphs = None
@@ -96,7 +119,7 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(
                 self.model, self.kv_caches, config.max_running_requests,
-                -(-self.max_model_len // self.block_size), self.block_size, self.device, self.num_sms,
+                -(-self.max_model_len // self.block_size), self.block_size, self.device, self.num_sms, self.upload,
             )
             self.graphs.capture()
 
@@ -171,32 +194,58 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int]:
-        """Run one step; returns a sampled token for every request that samples, in order."""
-        input_ids, query_lens, seq_lens, tables, sample_rows = [], [], [], [], []
+    def launch(self, batch: ScheduledBatch, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Start one step on the device; its sampled tokens (one per request that reaches
+        the end of its known and pending tokens, in batch order) arrive with
+        :meth:`LaunchedStep.result`. A request's pending last token (overlap schedule) is
+        read from ``prev``'s sampled tokens on the device, never from the host."""
+        input_ids, query_lens, seq_lens, tables, sample_rows, sampling = [], [], [], [], [], []
+        patch_pos, patch_rows = [], []
         offset = 0
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
-            input_ids.extend(req.token_ids[start : start + n])
+            ids = req.token_ids[start : start + n]
+            if len(ids) < n:  # the last input token is the previous step's sample, still on the device
+                assert len(ids) == n - 1 and req.num_pending == 1 and prev is not None, req.request_id
+                patch_pos.append(offset + n - 1)
+                patch_rows.append(req.pending_row)
+                ids.append(0)
+            input_ids.extend(ids)
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(req.block_ids)
             offset += n
-            if start + n == req.num_tokens:  # all known tokens computed: this row samples
+            if start + n == req.num_scheduled_tokens:  # all tokens computed: this row samples
                 sample_rows.append(offset - 1)
+                sampling.append(req)
+        patch = self._patch(patch_pos, patch_rows, prev) if patch_pos else None
         dev = self.device
         if self.graphs is not None and offset == len(query_lens) and self.graphs.can_run(offset):
-            hidden = self.graphs.run(input_ids, seq_lens, tables)  # decode-only step
+            hidden = self.graphs.run(input_ids, seq_lens, tables, patch)  # decode-only step
         else:
-            ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+            ids = self.upload(np.asarray(input_ids, dtype=np.int64))
+            if patch is not None:
+                patch(ids)
             if self.triton:
                 splits = decode_splits(offset, self.model_config.num_kv_heads, self.num_sms) if offset == len(query_lens) else 1
-                meta = build_varlen(query_lens, seq_lens, tables, self.block_size, dev, splits)
+                meta = build_varlen(query_lens, seq_lens, tables, self.block_size, dev, splits, upload=self.upload)
             else:
                 meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, dev)
             hidden = self.model(ids, meta.positions, self.kv_caches, meta)
         # LM head on the sampling rows (and prompt-logprob rows), sampling, logprobs.
-        return self.sampler.run(batch.requests, batch.num_new_tokens, hidden, sample_rows)
+        tokens = self.sampler.run(batch.requests, batch.num_new_tokens, hidden, sample_rows, sampling)
+        return LaunchedStep(batch, sampling, self.download(tokens) if sampling else None)
+
+    def _patch(self, positions: list[int], rows: list[int], prev: LaunchedStep):
+        """``ids[positions] = prev's sampled tokens[rows]``, on the device's stream."""
+        index = self.upload(np.asarray(positions + rows, dtype=np.int64))
+        n = len(positions)
+        values = prev.tokens_on_device[index[n:]]
+
+        def patch(ids: torch.Tensor) -> None:
+            ids[index[:n]] = values
+
+        return patch
 
     def synchronize(self) -> None:
         synchronize(self.device)

@@ -1,15 +1,23 @@
 """A request as the scheduler tracks it.
 
-There is no prefill/decode flag: each step computes ``num_tokens - num_computed_tokens``
-tokens of it (capped by the step's budget), so chunked prefill, prefix hits and
-resumption after preemption all fall out of the same rule.
+There is no prefill/decode flag: each step computes ``num_scheduled_tokens -
+num_computed_tokens`` tokens of it (capped by the step's budget), so chunked prefill,
+prefix hits and resumption after preemption all fall out of the same rule.
+
+With the overlap schedule a step is launched before the previous step's sampled tokens
+reach the host: such a token is *pending* (counted in ``num_pending``, its value still on
+the device, in row ``pending_row`` of the launched step's sampled tokens) until the engine
+completes that step and appends it. ``token_ids`` only ever holds known tokens.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 
 from .messages import LogprobRows, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class Status(enum.Enum):
@@ -75,6 +83,8 @@ class Request:
         self.block_digests: list[bytes] = []  # chained hashes of the full blocks so far
         self.num_committed_blocks = 0  # leading blocks already indexed in the prefix cache
         self.num_sent_tokens = 0  # output tokens already reported to the servicer
+        self.num_pending = 0  # sampled tokens of launched steps not yet appended (overlap)
+        self.pending_row = -1  # row of the newest pending token in its step's sampled tokens
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.matched_token_id: int | None = None
@@ -99,6 +109,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Known tokens plus the pending ones: what steps compute up to."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def will_finish_by_length(self) -> bool:
+        """The pending tokens already reach max_new_tokens: nothing more to schedule."""
+        return self.num_output_tokens + self.num_pending >= self.max_new_tokens
 
     @property
     def num_output_tokens(self) -> int:
@@ -147,6 +167,8 @@ class Request:
         """
         self.token_ids.append(token_id)
         n = self.num_output_tokens
+        if self.grammar is not None and not self.grammar.accept_token(token_id):
+            logger.warning("grammar rejected token %d of %s", token_id, self.request_id)
         if token_id in self.stop_ids and n > self.sampling.min_new_tokens:
             self.finish("stop", matched_token_id=token_id)
             return

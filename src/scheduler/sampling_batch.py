@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from kernels.sampling import MIN_TEMPERATURE, Penalties, SamplingTensors, argmax_rows, sample, token_logprobs
@@ -60,9 +61,11 @@ def _state(req: Request) -> _SamplerState:
 
 
 class BatchSampler:
-    def __init__(self, model, device: torch.device, generator: torch.Generator, vocab_size: int):
+    def __init__(self, model, device: torch.device, generator: torch.Generator, vocab_size: int, upload=None):
         self.model = model
         self.device = device
+        # host array -> device tensor without waiting for the GPU (transfer.HostToDevice)
+        self.upload = upload or (lambda a: torch.from_numpy(a).to(device))
         self.generator = generator
         self.vocab_size = vocab_size
         # Temperature-only batches on GPUs: one fused Gumbel-max pass (kernels.triton_sampling).
@@ -70,16 +73,23 @@ class BatchSampler:
         self.seeds = torch.Generator().manual_seed(generator.initial_seed())  # per-step kernel seeds, on the host
 
     # -- entry point -------------------------------------------------------------------
-    def run(self, requests: list[Request], num_new_tokens: list[int], hidden: torch.Tensor, sample_rows: list[int]) -> list[int]:
-        """One token for every request that samples this step (in batch order)."""
+    def run(
+        self,
+        requests: list[Request],
+        num_new_tokens: list[int],
+        hidden: torch.Tensor,
+        sample_rows: list[int],
+        sampling: list[Request],
+    ) -> torch.Tensor | None:
+        """One token for each request in ``sampling`` (hidden row ``sample_rows[i]``), as a
+        device tensor; None when no row samples. Only logprobs read results back here."""
         self._input_logprobs(requests, num_new_tokens, hidden)
         if not sample_rows:
-            return []
-        sampling = [r for r, n in zip(requests, num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
+            return None
         if len(sample_rows) == hidden.shape[0]:  # every row samples (decode-only steps): no gather
             rows = hidden
         else:
-            rows = hidden[torch.tensor(sample_rows, device=self.device)]
+            rows = hidden[self.upload(np.asarray(sample_rows, dtype=np.int64))]
         logits = self.model.compute_logits(rows)
         lp_rows = [i for i, r in enumerate(sampling) if r.output_logprobs is not None]
         logprobs = logits[lp_rows].float().log_softmax(dim=-1) if lp_rows else None
@@ -95,12 +105,7 @@ class BatchSampler:
             tokens = sample(logits.float(), params, self.generator)
         if lp_rows:
             self._record_output_logprobs([sampling[i] for i in lp_rows], logprobs, tokens[lp_rows])
-        out = tokens.tolist()
-        if params.allowed_bitmask is not None:
-            for i in params.bitmask_rows:
-                if not sampling[i].grammar.accept_token(out[i]):
-                    logger.warning("grammar rejected token %d of %s", out[i], sampling[i].request_id)
-        return out
+        return tokens
 
     # -- sampling tensors --------------------------------------------------------------
     def build(self, reqs: list[Request]) -> SamplingTensors:
@@ -131,7 +136,7 @@ class BatchSampler:
                     bias_rows.append(i)
                     bias_cols.append(tok)
                     bias_vals.append(val)
-            if req.num_output_tokens < sp.min_new_tokens and req.stop_ids:
+            if req.num_output_tokens + req.num_pending < sp.min_new_tokens and req.stop_ids:
                 for tok in req.stop_ids:
                     ban_rows.append(i)
                     ban_cols.append(tok)
@@ -143,13 +148,18 @@ class BatchSampler:
                 seeded.append((i, st.generator))
             if req.grammar is not None:
                 grammar_rows.append(i)
-        extra = {}
-        if self.fused_sampling and not (pen_rows or bias_rows or ban_rows or seeded or grammar_rows or any_min_p):
+        if not (pen_rows or bias_rows or ban_rows or seeded or grammar_rows or any_min_p):
+            # The common cases need no parameter tensors but (fused) the temperatures, copied
+            # without waiting for the GPU.
             greedy = [t < MIN_TEMPERATURE or k == 1 for t, k in zip(temperature, top_k)]
-            if all(g or ((k <= 0 or k >= vocab) and p >= 1.0) for g, k, p in zip(greedy, top_k, top_p)):
-                extra["fused_temperature"] = torch.tensor(
-                    [0.0 if g else t for g, t in zip(greedy, temperature)], dtype=torch.float32, device=dev
-                )
+            if all(greedy):
+                return SamplingTensors.temperature_only(len(reqs))
+            if self.fused_sampling and all(
+                g or ((k <= 0 or k >= vocab) and p >= 1.0) for g, k, p in zip(greedy, top_k, top_p)
+            ):
+                temps = np.array([0.0 if g else t for g, t in zip(greedy, temperature)], dtype=np.float32)
+                return SamplingTensors.temperature_only(len(reqs), self.upload(temps))
+        extra = {}
         if grammar_rows:
             from .grammar import allocate_bitmask
 

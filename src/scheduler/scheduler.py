@@ -36,6 +36,13 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.requests)
 
+    def unfinished(self) -> "ScheduledBatch":
+        """The batch without the requests that finished since it was scheduled."""
+        keep = [i for i, r in enumerate(self.requests) if not r.is_finished]
+        if len(keep) == len(self.requests):
+            return self
+        return ScheduledBatch([self.requests[i] for i in keep], [self.num_new_tokens[i] for i in keep])
+
 
 @dataclass
 class SchedulerConfig:
@@ -118,7 +125,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_pending and req.will_finish_by_length:  # its last token is in flight
+                i += 1
+                continue
+            n = min(req.num_scheduled_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -137,6 +147,8 @@ class Scheduler:
             and len(self.running) < self.config.max_running_requests
         ):
             req = self.waiting[0]
+            if req.num_pending:  # preempted while its last token was in flight: wait for it
+                break
             cached = self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
@@ -157,18 +169,43 @@ class Scheduler:
         scheduled.sort(key=lambda item: item[1] != 1)
         return ScheduledBatch([r for r, _ in scheduled], [n for _, n in scheduled])
 
-    def update(self, batch: ScheduledBatch, sampled: list[int]) -> None:
-        """Advance every scheduled request; ``sampled`` has one token per request that
-        reached the end of its known tokens this step, in batch order."""
-        it = iter(sampled)
+    def advance(self, batch: ScheduledBatch) -> list[Request]:
+        """Right after a step is launched: count its tokens as computed. Returns the requests
+        that sample in it (those that reached the end of their known and pending tokens), in
+        batch order; each now has one more pending token, in that row of the step's output."""
+        sampling = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens:
-                req.append_token(next(it))
-            self.kv.commit(req)
+            if req.num_computed_tokens == req.num_scheduled_tokens:
+                req.pending_row = len(sampling)
+                req.num_pending += 1
+                sampling.append(req)
+        return sampling
+
+    def complete(self, batch: ScheduledBatch, sampling: list[Request], sampled: list[int]) -> None:
+        """When a launched step's tokens reach the host: append them (one per sampling
+        request, in order), index the newly full KV blocks and retire finished requests.
+        Requests that finished meanwhile (aborted, or stopped by the previous step's token
+        while this step was in flight) drop their token."""
+        for req, token in zip(sampling, sampled):
+            req.num_pending -= 1
             if req.is_finished:
-                self.running.remove(req)
+                continue
+            was_running = req.status is Status.RUNNING
+            req.append_token(token)
+            if req.is_finished:
+                self.kv.commit(req)  # its full blocks stay cached for later prompts
+                # a request preempted while this step ran sits in the queue
+                (self.running if was_running else self.waiting).remove(req)
                 self._retire(req)
+        for req in batch.requests:
+            if not req.is_finished:
+                self.kv.commit(req)
+
+    def update(self, batch: ScheduledBatch, sampled: list[int]) -> None:
+        """Advance and complete a step at once (no overlap): ``sampled`` has one token per
+        request that reached the end of its known tokens this step, in batch order."""
+        self.complete(batch, self.advance(batch), sampled)
 
     def take_finished(self) -> list[Request]:
         done, self.finished = self.finished, []
