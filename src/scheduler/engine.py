@@ -3,6 +3,7 @@ offline (tests, benchmarks) through :meth:`Engine.generate`."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from .messages import AddRequest, LoadSnapshot, RequestOutput, SamplingParams, S
 from .model_runner import LaunchedStep, ModelRunner
 from .request import Request
 from .scheduler import AdmissionError, Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,6 +74,7 @@ class Engine:
         # that would do the bookkeeping: nothing to overlap, and outputs would lag a step).
         self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.runner.device.type != "cpu"
         self.inflight: LaunchedStep | None = None  # launched, tokens not yet taken
+        logger.info("overlap schedule: %s", "on" if self.overlap else "off")
         self.load = LoadSnapshot(max_total_num_tokens=self.kv.capacity_tokens)
 
     # -- requests ----------------------------------------------------------------------
@@ -159,7 +163,8 @@ class Engine:
         start, end = req.num_sent_tokens, req.num_sendable_tokens
         if end <= start and not force:
             return None
-        new = req.visible_output_ids[start:end]
+        p = req.num_prompt_tokens
+        new = req.token_ids[p + start : p + end]  # (end never passes the visible outputs)
         req.num_sent_tokens = max(start, end)
         out = RequestOutput(
             request_id=req.request_id,

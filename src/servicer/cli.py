@@ -52,9 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "torch (reference path) or triton")
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs")
-    p.add_argument("--disable-overlap-schedule", action="store_true",
-                   help="on accelerators: take each step's tokens before launching the next "
-                   "(default: the next step is launched first, hiding the host's bookkeeping)")
+    p.add_argument("--overlap-schedule", choices=["auto", "on", "off"], default="auto",
+                   help="launch each step before taking the previous step's tokens, hiding the host's "
+                   "bookkeeping behind the device's work: auto = on for accelerators, off on CPU")
+    p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_const", const="off",
+                   help="same as --overlap-schedule off (SGLang's spelling)")
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler's default generator")
     p.add_argument("--shutdown-grace-period", type=float, default=30.0,
@@ -89,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
         num_threads=args.num_threads,
         kernel_backend=args.kernel_backend,
         cuda_graph=not args.disable_cuda_graph,
-        overlap_schedule=False if args.disable_overlap_schedule else None,
+        overlap_schedule={"auto": None, "on": True, "off": False}[args.overlap_schedule],
         seed=args.seed,
         served_model_name=args.served_model_name,
     )
