@@ -35,6 +35,7 @@ def _kernel():
         QUARTER: tl.constexpr = BLOCK // 4
         lanes = tl.arange(0, QUARTER)
         t = tl.load(temp_ptr + row)
+        inv_t = 1.0 / tl.where(t > 0.0, t, 1.0)  # one division per program, not per token
         r0, r1, r2, r3 = tl.randint4x(seed, (row * (NUM_SLICES * QUARTER) + part * QUARTER + lanes).to(tl.uint32))
         best_val = float("-inf")
         best_idx = 0
@@ -45,7 +46,7 @@ def _kernel():
             x = tl.load(logits_ptr + row * stride_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
             if t > 0.0:
                 u = tl.maximum(tl.random.uint_to_uniform_float(r), 1e-20)
-                x = tl.where(ok, x / t - tl.log(-tl.log(u)), float("-inf"))
+                x = tl.where(ok, x * inv_t - tl.log(-tl.log(u)), float("-inf"))
             val, idx = tl.max(x, 0, return_indices=True)
             if val > best_val:  # strict: the first maximum wins, as argmax
                 best_val = val
