@@ -25,6 +25,8 @@ import torch
 from kernels.attention import AttentionMetadata, varlen_arrays
 from kernels.triton_attention import decode_splits
 
+from .transfer import HostToDevice
+
 logger = logging.getLogger(__name__)
 
 
@@ -58,8 +60,7 @@ class DecodeGraphs:
     def __init__(self, model, kv_caches, max_batch: int, max_blocks: int, block_size: int, device: torch.device,
                  num_sms: int = 1, upload=None):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
-        # host array -> device tensor without waiting for the GPU (transfer.HostToDevice)
-        self.upload = upload or (lambda a: torch.from_numpy(a).to(device, non_blocking=True))
+        self.upload = upload or HostToDevice(device)  # host arrays -> device, never waiting for the GPU
         self.num_kv_heads, self.num_sms = kv_caches[0][0].shape[2], num_sms
         self.sizes = capture_sizes(max_batch)
         top = self.sizes[-1]

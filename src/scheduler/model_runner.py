@@ -202,7 +202,7 @@ class ModelRunner:
         input_ids, query_lens, seq_lens, tables, sample_rows, sampling = [], [], [], [], [], []
         patch_pos, patch_rows = [], []
         offset = 0
-        for req, n in zip(batch.requests, batch.num_new_tokens):
+        for req, n, samples in zip(batch.requests, batch.num_new_tokens, batch.samples):
             start = req.num_computed_tokens
             ids = req.token_ids[start : start + n]
             if len(ids) < n:  # the last input token is the previous step's sample, still on the device
@@ -215,7 +215,7 @@ class ModelRunner:
             seq_lens.append(start + n)
             tables.append(req.block_ids)
             offset += n
-            if start + n == req.num_scheduled_tokens:  # all tokens computed: this row samples
+            if samples:  # all its tokens computed after this step: its last row samples
                 sample_rows.append(offset - 1)
                 sampling.append(req)
         patch = self._patch(patch_pos, patch_rows, prev) if patch_pos else None

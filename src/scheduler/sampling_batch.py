@@ -26,6 +26,7 @@ from kernels.sampling import MIN_TEMPERATURE, Penalties, SamplingTensors, argmax
 from kernels.triton_attention import triton_available
 
 from .request import Request
+from .transfer import HostToDevice
 
 logger = logging.getLogger(__name__)
 INPUT_LOGPROB_SLICE = 512  # prompt rows per LM-head slice (bounds the [rows, vocab] logits)
@@ -64,8 +65,7 @@ class BatchSampler:
     def __init__(self, model, device: torch.device, generator: torch.Generator, vocab_size: int, upload=None):
         self.model = model
         self.device = device
-        # host array -> device tensor without waiting for the GPU (transfer.HostToDevice)
-        self.upload = upload or (lambda a: torch.from_numpy(a).to(device))
+        self.upload = upload or HostToDevice(device)  # host arrays -> device, never waiting for the GPU
         self.generator = generator
         self.vocab_size = vocab_size
         # Temperature-only batches on GPUs: one fused Gumbel-max pass (kernels.triton_sampling).

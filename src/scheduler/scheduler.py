@@ -28,6 +28,8 @@ class AdmissionError(Exception):
 class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)  # decodes (1 token) first
     num_new_tokens: list[int] = field(default_factory=list)
+    # per request: does this step reach the end of its known and pending tokens (and so sample)?
+    samples: list[bool] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -41,7 +43,9 @@ class ScheduledBatch:
         keep = [i for i, r in enumerate(self.requests) if not r.is_finished]
         if len(keep) == len(self.requests):
             return self
-        return ScheduledBatch([self.requests[i] for i in keep], [self.num_new_tokens[i] for i in keep])
+        return ScheduledBatch(
+            [self.requests[i] for i in keep], [self.num_new_tokens[i] for i in keep], [self.samples[i] for i in keep]
+        )
 
 
 @dataclass
@@ -167,16 +171,20 @@ class Scheduler:
 
         # Single-token steps (decodes) first: the attention path batches them together.
         scheduled.sort(key=lambda item: item[1] != 1)
-        return ScheduledBatch([r for r, _ in scheduled], [n for _, n in scheduled])
+        return ScheduledBatch(
+            [r for r, _ in scheduled],
+            [n for _, n in scheduled],
+            [r.num_computed_tokens + n == r.num_scheduled_tokens for r, n in scheduled],
+        )
 
     def advance(self, batch: ScheduledBatch) -> list[Request]:
         """Right after a step is launched: count its tokens as computed. Returns the requests
         that sample in it (those that reached the end of their known and pending tokens), in
         batch order; each now has one more pending token, in that row of the step's output."""
         sampling = []
-        for req, n in zip(batch.requests, batch.num_new_tokens):
+        for req, n, samples in zip(batch.requests, batch.num_new_tokens, batch.samples):
             req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_scheduled_tokens:
+            if samples:
                 req.pending_row = len(sampling)
                 req.num_pending += 1
                 sampling.append(req)
