@@ -134,19 +134,26 @@ def build_varlen(
 ) -> AttentionMetadata:
     """Metadata for the unified (Triton) kernel: everything packed into one host array and
     moved to the device in a single copy; the fields are views of it. ``upload`` makes that
-    copy (the runner passes one through pinned memory that does not wait for the GPU)."""
-    slots, pos, qsl, seq, table = varlen_arrays(query_lens, seq_lens, block_tables, block_size)
-    host = np.concatenate([slots, pos, qsl, seq, table.ravel()])
+    copy (the runner passes one through pinned memory that does not wait for the GPU).
+
+    Every field starts on a 16-byte boundary: Triton specialises a kernel on the alignment
+    of its pointers, so a field whose alignment followed the batch's parity would make the
+    attention kernel compile again in the middle of serving."""
+    fields = varlen_arrays(query_lens, seq_lens, block_tables, block_size)
+    starts = np.zeros(len(fields) + 1, dtype=np.int64)
+    np.cumsum([-(-f.size // 2) * 2 for f in fields], out=starts[1:])  # int64 pairs: 16 bytes
+    host = np.zeros(int(starts[-1]), dtype=np.int64)
+    for field, start in zip(fields, starts):
+        host[start : start + field.size] = field.ravel()
     packed = upload(host) if upload is not None else torch.from_numpy(host).to(device, non_blocking=True)
-    t, b = len(slots), len(seq)
-    cut = np.cumsum([t, t, b + 1, b])
+    slots, pos, qsl, seq, table = (packed[a : a + f.size] for f, a in zip(fields, starts))
     return AttentionMetadata(
-        slot_mapping=packed[: cut[0]],
-        positions=packed[cut[0] : cut[1]],
+        slot_mapping=slots,
+        positions=pos,
         block_size=block_size,
-        query_start_loc=packed[cut[1] : cut[2]],
-        seq_lens=packed[cut[2] : cut[3]],
-        block_tables=packed[cut[3] :].view(b, table.shape[1]),
+        query_start_loc=qsl,
+        seq_lens=seq,
+        block_tables=table.view(fields[4].shape),
         max_query_len=max(query_lens, default=0),
         num_splits=num_splits,
     )

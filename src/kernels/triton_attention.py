@@ -66,8 +66,9 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    # num_seqs varies every step: specialising on it (== 1, % 16) would recompile mid-run.
-    @triton.jit(do_not_specialize=["num_seqs"])
+    # The batch size and the block-table width change every step: specialising on them
+    # (== 1, % 16) would compile new variants mid-run (tests/test_triton_specialization.py).
+    @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
     def _unified_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,

@@ -276,6 +276,7 @@ def qkv_rope_store(
     weights, per-head RMS-normalised) keys and the values at ``slot_mapping`` (-1 skipped);
     return the rope'd queries ``[T, H, D]``."""
     T = qkv.shape[0]
+    qkv = qkv.reshape(T, -1)  # a lone row's stride is arbitrary (1 on the CPU): a view with the usual one
     d = k_cache.shape[-1]
     assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * d and qkv.stride(1) == 1
     assert d % 2 == 0 and _next_pow2(d // 2) == d // 2, "head_dim/2 must be a power of two"

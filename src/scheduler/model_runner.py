@@ -39,6 +39,21 @@ ACCELERATOR_BATCHED_TOKENS = 8192
 GPU_MEMORY_FRACTION = 0.85  # of the memory free after weights, for the KV cache
 
 
+def warmup_batches(max_batch: int, num_kv_heads: int, num_sms: int) -> list[list[int]]:
+    """Query lengths of one small batch per Triton kernel variant an eager step can launch.
+
+    Triton compiles a kernel again for every new combination of constexprs and argument
+    specialisations (an int equal to 1 or divisible by 16, a pointer's 16-byte alignment),
+    at ~0.1-1 s a compile. The per-step values are kept out of the specialisation
+    (``do_not_specialize``, aligned metadata), which leaves the attention's configuration as
+    the only thing that changes with the step: its decode split factor (one per distinct
+    :func:`decode_splits` value up to ``max_batch``), short query chunks and long ones."""
+    first_batch_of_split: dict[int, int] = {}
+    for b in range(1, max_batch + 1):
+        first_batch_of_split.setdefault(decode_splits(b, num_kv_heads, num_sms), b)
+    return [[1] * b for b in sorted(first_batch_of_split.values())] + [[1, 2], [1, 64]]
+
+
 class LaunchedStep:
     """A step whose sampled tokens may still be on their way from the device."""
 
@@ -113,7 +128,7 @@ class ModelRunner:
             torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
         )
         if self.triton and self.device.type == "cuda":
-            self._compile_kernels()
+            self.compile_kernels()
         if self.triton and self.device.type == "cuda" and config.cuda_graph:
             from .cuda_graphs import DecodeGraphs
 
@@ -124,22 +139,26 @@ class ModelRunner:
             self.graphs.capture()
 
     @torch.inference_mode()
-    def _compile_kernels(self) -> None:
-        """Run every Triton kernel variant an eager step can need (decode split factors, short
-        and long prefill tiles) once, so no request waits for a JIT compile. Slots are -1 and
-        every table points at the null block: nothing is written to the KV cache."""
-        shapes = [[1] * b for b in (1, 2, 4, 8, 16, 32, 64)] + [[1, 5], [1, 100]]
-        for query_lens in shapes:
+    def compile_kernels(self) -> None:
+        """Launch every Triton kernel variant an eager step can need once, so that no request
+        waits for a JIT compile (see :func:`warmup_batches`). Slots are -1 and every table
+        points at the null block: nothing is written to the KV cache."""
+        for query_lens in warmup_batches(self.config.max_running_requests, self.model_config.num_kv_heads, self.num_sms):
             seq_lens = [q + 3 for q in query_lens]
             tables = [[0] * -(-s // self.block_size) for s in seq_lens]
-            n = len(query_lens)
-            decode = all(q == 1 for q in query_lens)
-            splits = decode_splits(n, self.model_config.num_kv_heads, self.num_sms) if decode else 1
-            meta = build_varlen(query_lens, seq_lens, tables, self.block_size, self.device, splits)
+            meta = self._varlen(query_lens, seq_lens, tables)
             meta.slot_mapping.fill_(-1)
             ids = torch.zeros(sum(query_lens), dtype=torch.int64, device=self.device)
-            self.model(ids, meta.positions, self.kv_caches, meta)
+            hidden = self.model(ids, meta.positions, self.kv_caches, meta)
+        self.sampler.compile_kernels(hidden)
         synchronize(self.device)
+
+    def _varlen(self, query_lens: list[int], seq_lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
+        """The Triton kernels' metadata; decode-only batches split the keys (flash-decoding)
+        when they alone would leave SMs idle."""
+        decode = len(query_lens) == sum(query_lens)
+        splits = decode_splits(len(query_lens), self.model_config.num_kv_heads, self.num_sms) if decode else 1
+        return build_varlen(query_lens, seq_lens, tables, self.block_size, self.device, splits, upload=self.upload)
 
     def _use_triton(self) -> bool:
         backend = self.config.kernel_backend
@@ -219,7 +238,6 @@ class ModelRunner:
                 sample_rows.append(offset - 1)
                 sampling.append(req)
         patch = self._patch(patch_pos, patch_rows, prev) if patch_pos else None
-        dev = self.device
         if self.graphs is not None and offset == len(query_lens) and self.graphs.can_run(offset):
             hidden = self.graphs.run(input_ids, seq_lens, tables, patch)  # decode-only step
         else:
@@ -227,10 +245,9 @@ class ModelRunner:
             if patch is not None:
                 patch(ids)
             if self.triton:
-                splits = decode_splits(offset, self.model_config.num_kv_heads, self.num_sms) if offset == len(query_lens) else 1
-                meta = build_varlen(query_lens, seq_lens, tables, self.block_size, dev, splits, upload=self.upload)
+                meta = self._varlen(query_lens, seq_lens, tables)
             else:
-                meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, dev)
+                meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
             hidden = self.model(ids, meta.positions, self.kv_caches, meta)
         # LM head on the sampling rows (and prompt-logprob rows), sampling, logprobs.
         tokens = self.sampler.run(batch.requests, batch.num_new_tokens, hidden, sample_rows, sampling)

@@ -72,6 +72,13 @@ class BatchSampler:
         self.fused_sampling = device.type == "cuda" and triton_available()
         self.seeds = torch.Generator().manual_seed(generator.initial_seed())  # per-step kernel seeds, on the host
 
+    def compile_kernels(self, hidden: torch.Tensor) -> None:
+        """Compile the fused sampling kernel on one row of hidden states before a request waits for it."""
+        if self.fused_sampling:
+            from kernels.triton_sampling import gumbel_sample
+
+            gumbel_sample(self.model.compute_logits(hidden[:1]), torch.ones(1, device=self.device), 0)
+
     # -- entry point -------------------------------------------------------------------
     def run(
         self,

@@ -1,0 +1,120 @@
+"""No Triton compile in the middle of serving, checked on the CPU.
+
+Triton compiles a kernel again whenever a launch brings a new combination of constexprs and
+argument specialisations: an int argument equal to 1 or divisible by 16, a pointer aligned
+to 16 bytes or not. On a GPU each compile costs ~0.1-1 s, and every running request waits
+for it. Here every Triton launch of real engine steps is recorded (not run: only the
+arguments matter) and its specialisation key computed with Triton's own function, then:
+
+* launches of the same kernel with the same constexprs always have the same key (no value
+  that changes with the step leaks into the specialisation), and
+* every variant the steps launch was already launched by ``ModelRunner.compile_kernels``,
+  the start-up warm-up.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytest.importorskip("transformers")
+libtriton = pytest.importorskip("triton._C.libtriton")
+from triton.backends.compiler import BaseBackend  # noqa: E402
+
+from kernels import triton_attention, triton_ops  # noqa: E402
+from scheduler.config import EngineConfig  # noqa: E402
+from scheduler.engine import Engine  # noqa: E402
+from scheduler.messages import SamplingParams  # noqa: E402
+from scheduler.model_runner import ModelRunner, warmup_batches  # noqa: E402
+
+from test_triton_model import tiny_model  # noqa: E402
+
+H100_SMS = 132  # decode split factors as on an H100, so that they vary with the batch
+
+
+def specialisation_key(kernel, args: tuple) -> tuple:
+    """What Triton's launcher keys a compiled variant on, for the positional (runtime) args."""
+    unspecialised = set(kernel.kwargs.get("do_not_specialize") or ())
+    return tuple(
+        libtriton.native_specialize_impl(BaseBackend, arg, False, name not in unspecialised, True)
+        for name, arg in zip(kernel.arg_names, args)
+    )
+
+
+class LaunchRecorder:
+    """Stands in for the kernels' factories: records ``(kernel, constexprs, key)`` per launch."""
+
+    def __init__(self, monkeypatch):
+        self.variants: list[tuple] = []
+        attention, ops = triton_attention._kernels(), triton_ops._kernels()
+        monkeypatch.setattr(triton_attention, "_kernels", lambda: tuple(map(self._wrap, attention)))
+        monkeypatch.setattr(triton_ops, "_kernels", lambda: tuple(map(self._wrap, ops)))
+
+    def _wrap(self, kernel):
+        recorder = self
+
+        class Recorded:
+            def __getitem__(self, grid):
+                def launch(*args, **constexprs):
+                    key = specialisation_key(kernel, args)
+                    recorder.variants.append((kernel.fn.__name__, tuple(sorted(constexprs.items())), key))
+
+                return launch
+
+        return Recorded()
+
+    def take(self) -> set[tuple]:
+        out, self.variants = set(self.variants), []
+        return out
+
+
+def test_warmup_batches_cover_each_decode_split_and_both_prefill_tiles():
+    batches = warmup_batches(256, num_kv_heads=8, num_sms=H100_SMS)
+    decode = [len(b) for b in batches if max(b) == 1]
+    assert decode == [1, 9, 17, 33, 66]  # splits 16, 8, 4, 2, 1
+    assert [1, 2] in batches and [1, 64] in batches  # short chunks and long chunks
+    assert warmup_batches(1, 8, 1) == [[1], [1, 2], [1, 64]]
+
+
+def test_engine_steps_launch_only_warmed_up_kernel_variants(monkeypatch):
+    config = EngineConfig(model="random", device="cpu", kernel_backend="triton", kv_cache_tokens=8192,
+                          max_num_batched_tokens=48, max_running_requests=48, num_threads=1, seed=0)
+    runner = ModelRunner(config, tiny_model("qwen3"))
+    runner.num_sms = H100_SMS
+    recorder = LaunchRecorder(monkeypatch)
+    runner.compile_kernels()
+    warmed = recorder.take()
+
+    # Many batch shapes: 40 requests whose prompts (1-150 tokens, a third sharing a cached
+    # prefix) prefill in 48-token chunks beside running decodes, then decode batches that
+    # shrink from 40 to 1 as the requests reach their lengths.
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(1, 300, (40,), generator=g).tolist()
+    prompts, params = [], []
+    for i in range(40):
+        n = int(torch.randint(1, 150, (1,), generator=g))
+        prompt = torch.randint(1, 300, (n,), generator=g).tolist()
+        prompts.append(shared + prompt[:50] if i % 3 == 0 else prompt)
+        params.append(SamplingParams(max_new_tokens=int(torch.randint(1, 40, (1,), generator=g)), temperature=0.0,
+                                     ignore_eos=True))
+    engine = Engine(config, runner)
+    done = engine.generate(prompts, params)
+    assert [len(c.output_ids) for c in done] == [p.max_new_tokens for p in params]
+    assert any(c.num_cached_tokens for c in done)
+    stepped = recorder.take()
+
+    by_config: dict[tuple, set] = {}
+    for name, constexprs, key in stepped:
+        by_config.setdefault((name, constexprs), set()).add(key)
+    unstable = {cfg: keys for cfg, keys in by_config.items() if len(keys) > 1}
+    assert not unstable, f"per-step values change these kernels' specialisation: {unstable}"
+    names = {name for name, _, _ in stepped}
+    assert {"_unified_attention_kernel", "_combine_splits_kernel", "_qkv_rope_store_kernel"} <= names
+    assert len({c for n, c, _ in stepped if n == "_unified_attention_kernel"}) >= 3  # several tile configs ran
+    missing = stepped - warmed
+    assert not missing, f"variants first compiled while serving (not in compile_kernels): {missing}"
