@@ -75,3 +75,15 @@ def test_preemption_under_tiny_kv_gives_same_tokens(loaded, reference):
     assert engine.scheduler.num_preemptions > 0
     assert [c.output_ids for c in out] == reference
     assert_no_leak(engine)
+
+
+def test_generation_throughput_over_a_sliding_window(loaded, monkeypatch):
+    engine = make_engine(loaded)
+    clock = [1000.0]
+    monkeypatch.setattr("scheduler.engine.time.monotonic", lambda: clock[0])
+    for t, n in [(0.0, 10), (1.0, 20), (2.0, 30), (6.5, 40)]:  # the 5 s window drops the first two
+        clock[0] = 1000.0 + t
+        engine._recent_tokens(n)
+        engine.refresh_load()
+    assert engine.stats.recent_tokens_sum == 70 == sum(n for _, n in engine.stats.recent_tokens)
+    assert engine.load.gen_throughput == pytest.approx(70 / 4.5)

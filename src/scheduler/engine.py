@@ -28,6 +28,7 @@ class EngineStats:
     num_generated_tokens: int = 0
     batch_size_histogram: dict[int, int] = field(default_factory=dict)
     recent_tokens: deque = field(default_factory=deque)  # (time, tokens sampled) of recent steps
+    recent_tokens_sum: int = 0  # kept with the deque: summing it every step costs O(steps/s)
 
 THROUGHPUT_WINDOW_S = 5.0
 
@@ -193,11 +194,12 @@ class Engine:
         self.refresh_load()
 
     def _recent_tokens(self, num_sampled: int) -> None:
-        window = self.stats.recent_tokens
+        s = self.stats
         now = time.monotonic()
-        window.append((now, num_sampled))
-        while window and window[0][0] < now - THROUGHPUT_WINDOW_S:
-            window.popleft()
+        s.recent_tokens.append((now, num_sampled))
+        s.recent_tokens_sum += num_sampled
+        while s.recent_tokens[0][0] < now - THROUGHPUT_WINDOW_S:
+            s.recent_tokens_sum -= s.recent_tokens.popleft()[1]
 
     def refresh_load(self) -> None:
         """Publish a new load snapshot (replaced whole, so other threads read it safely)."""
@@ -211,7 +213,7 @@ class Engine:
             num_waiting_uncached_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
             num_used_tokens=self.pool.num_used_blocks * self.pool.block_size,
             max_total_num_tokens=self.kv.capacity_tokens,
-            gen_throughput=sum(n for _, n in window) / span if span > 0 else 0.0,
+            gen_throughput=s.recent_tokens_sum / span if span > 0 else 0.0,
             cache_hit_rate=sched.num_cached_prompt_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0,
         )
 
