@@ -6,7 +6,8 @@ In one process run, side by side:
       then the same without the overlap schedule (--skip-plain leaves it out), for the ratio;
   (b) batch-1 decode: the step time of one running request (engine ITL, and the model's
       forward + LM head alone) against the HBM floor = weight bytes / measured copy bandwidth
-      (a large device-to-device copy, bytes read + written);
+      (a large device-to-device copy, bytes read + written); with cuBLAS projections and with
+      the fused small-batch ones (EngineConfig.small_batch_gemv);
   (c) HF transformers static batching (left-padded batches of --hf-batch, sampling at
       temperature 0.6 with top-k/top-p off, min_new_tokens = max_new_tokens = the batch's
       longest, counting each request's own tokens) on the same weights and GPU.
@@ -89,11 +90,11 @@ def build_models():
     return hf, LoadedModel("random-qwen3-0.6b", config, ours.cuda().eval())
 
 
-def run_engine(loaded: LoadedModel, args, overlap: bool = True) -> tuple[dict, dict]:
+def run_engine(loaded: LoadedModel, args, overlap: bool = True) -> dict:
     config = EngineConfig(
         model="random-qwen3-0.6b", device="cuda", dtype="bfloat16", max_running_requests=args.max_running,
         max_num_batched_tokens=args.batched_tokens, kv_cache_memory=args.kv_memory, max_model_len=4096,
-        cuda_graph=not args.eager, overlap_schedule=overlap,
+        cuda_graph=not args.eager, overlap_schedule=overlap, small_batch_gemv=args.small_batch_gemv,
     )
     t = time.perf_counter()
     engine = Engine(config, ModelRunner(config, loaded))
@@ -116,12 +117,26 @@ def run_engine(loaded: LoadedModel, args, overlap: bool = True) -> tuple[dict, d
         "max_batch_size": engine.stats.max_batch_size, "preemptions": engine.scheduler.num_preemptions,
         "kv_tokens": engine.kv.capacity_tokens, "triton_compiles_during_run": compiles,
     }
-    # (b) batch 1: a 512-token prompt then 256 decode steps; the median gap between tokens.
+    del engine
+    return n256
+
+
+def run_batch1(loaded: LoadedModel, args, small_batch_gemv: bool = False) -> dict:
+    """(b) batch 1: a 512-token prompt then 256 decode steps, the median gap between tokens;
+    and the forward (graph replay) + LM head alone, timed with events. ``small_batch_gemv``:
+    the fused small-batch projections (kernels/triton_gemv.py) instead of cuBLAS + norms."""
+    config = EngineConfig(
+        model="random-qwen3-0.6b", device="cuda", dtype="bfloat16", max_running_requests=16,
+        kv_cache_memory="2GiB", max_model_len=4096, cuda_graph=not args.eager, small_batch_gemv=small_batch_gemv,
+    )
+    engine = Engine(config, ModelRunner(config, loaded))  # (sets the shared model's kernel switches)
+    prompts, _ = n256_workload()
+    engine.generate([prompts[0][:100]], SamplingParams(max_new_tokens=16, temperature=0.6, ignore_eos=True))
     one = engine.generate([prompts[1][:512]], SamplingParams(max_new_tokens=257, temperature=0.6, ignore_eos=True))[0]
     gaps = [b - a for a, b in zip(one.token_times[1:], one.token_times[2:])]
     batch1 = {"engine_step_ms": 1e3 * statistics.median(gaps)}
     runner = engine.runner
-    if runner.graphs is not None:  # the forward (graph replay) + LM head alone, timed with events
+    if runner.graphs is not None:
         runner.graphs.load_inputs([1], [600], [list(range(1, 40))])
         hidden = runner.graphs.outputs[1]
         times = []
@@ -136,7 +151,8 @@ def run_engine(loaded: LoadedModel, args, overlap: bool = True) -> tuple[dict, d
         batch1["forward_lm_head_ms"] = statistics.median(times[20:])
     batch1["weight_bytes"] = runner.weight_bytes  # tied: the embedding is read once, as the LM head
     del engine, runner
-    return n256, batch1
+    torch.cuda.empty_cache()
+    return batch1
 
 
 def run_hf(hf, args) -> dict:
@@ -178,25 +194,30 @@ def main() -> None:
     ap.add_argument("--batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-memory", default="40GiB")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--small-batch-gemv", action="store_true",
+                    help="N256 with the fused small-batch projections (decode batches <= 16)")
     ap.add_argument("--skip-plain", action="store_true", help="do not also run N256 without the overlap schedule")
     args = ap.parse_args()
 
     gpu = torch.cuda.get_device_name()
     bw = copy_bandwidth()
     hf, loaded = build_models()
-    n256, batch1 = run_engine(loaded, args)
+    n256 = run_engine(loaded, args)
+    torch.cuda.empty_cache()
     if not args.skip_plain:  # the same engine without the overlap schedule, for the ratio
-        plain, _ = run_engine(loaded, args, overlap=False)
+        plain = run_engine(loaded, args, overlap=False)
         n256["plain_schedule_tok_per_s"] = plain["tok_per_s"]
         n256["overlap_over_plain"] = n256["tok_per_s"] / plain["tok_per_s"]
         torch.cuda.empty_cache()
-    floor_ms = 1e3 * batch1["weight_bytes"] / bw
-    batch1.update(copy_bandwidth_gbs=bw / 1e9, hbm_floor_ms=floor_ms,
-                  engine_step_x_floor=batch1["engine_step_ms"] / floor_ms)
-    if "forward_lm_head_ms" in batch1:
-        batch1["forward_x_floor"] = batch1["forward_lm_head_ms"] / floor_ms
-    torch.cuda.empty_cache()
-    result = {"gpu": gpu, "torch": torch.__version__, "n256_engine": n256, "batch1": batch1}
+    result = {"gpu": gpu, "torch": torch.__version__, "n256_engine": n256}
+    for key, gemv in (("batch1", False), ("batch1_small_batch_gemv", True)):
+        batch1 = run_batch1(loaded, args, small_batch_gemv=gemv)
+        floor_ms = 1e3 * batch1["weight_bytes"] / bw
+        batch1.update(copy_bandwidth_gbs=bw / 1e9, hbm_floor_ms=floor_ms,
+                      engine_step_x_floor=batch1["engine_step_ms"] / floor_ms)
+        if "forward_lm_head_ms" in batch1:
+            batch1["forward_x_floor"] = batch1["forward_lm_head_ms"] / floor_ms
+        result[key] = batch1
     if "hf" not in args.skip.split(","):
         result["n256_hf"] = run_hf(hf, args)
         result["engine_over_hf"] = n256["tok_per_s"] / result["n256_hf"]["tok_per_s"]
@@ -212,10 +233,12 @@ def main() -> None:
         h = result["n256_hf"]
         print(f"N256 HF static batch {h['batch']}: {h['tok_per_s']:.0f} tok/s ({h['batches_run']}/{h['batches_total']} "
               f"batches, {h['wall_s']:.1f} s); engine / HF = {result['engine_over_hf']:.1f}x")
-    print(f"batch 1: engine step {batch1['engine_step_ms']:.3f} ms, forward+LM head "
-          f"{batch1.get('forward_lm_head_ms', float('nan')):.3f} ms, HBM floor {floor_ms:.3f} ms "
-          f"({batch1['weight_bytes'] / 1e9:.2f} GB weights): {batch1['engine_step_x_floor']:.2f}x / "
-          f"{batch1.get('forward_x_floor', float('nan')):.2f}x floor")
+    for key, label in (("batch1", "cuBLAS + norms"), ("batch1_small_batch_gemv", "fused small-batch GEMVs")):
+        b1 = result[key]
+        print(f"batch 1 ({label}): engine step {b1['engine_step_ms']:.3f} ms, forward+LM head "
+              f"{b1.get('forward_lm_head_ms', float('nan')):.3f} ms, HBM floor {b1['hbm_floor_ms']:.3f} ms "
+              f"({b1['weight_bytes'] / 1e9:.2f} GB weights): {b1['engine_step_x_floor']:.2f}x / "
+              f"{b1.get('forward_x_floor', float('nan')):.2f}x floor")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

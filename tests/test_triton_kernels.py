@@ -233,6 +233,37 @@ def _run_python(code: str, env_drop=("TRITON_INTERPRET",)) -> subprocess.Complet
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize(
+    "norm,residual,bias,gate_up",
+    [(False, False, False, False), (True, False, True, False), (True, True, False, False), (True, True, False, True),
+     (False, False, True, True)],
+)
+def test_small_batch_linear(rows, norm, residual, bias, gate_up):
+    """Against the torch path of the ops it fuses: (x + residual) -> RMSNorm -> linear -> SiLU-mul.
+    K = 200 and N = 40 are not multiples of the 128 / 16 tiles (masked edges)."""
+    from kernels.activation import silu_and_mul_torch
+    from kernels.triton_gemv import small_batch_linear
+
+    g = torch.Generator().manual_seed(rows)
+    K, N = 200, 40
+    x = torch.randn(rows, K, generator=g)
+    r = torch.randn(rows, K, generator=g) if residual else None
+    w = torch.randn(2 * N if gate_up else N, K, generator=g) / K**0.5
+    b = torch.randn(w.shape[0], generator=g) if bias else None
+    nw = 1 + 0.3 * torch.randn(K, generator=g) if norm else None
+
+    got = small_batch_linear(x, w, b, nw, r, eps=1e-6, gate_up=gate_up)
+    h, new_res = (ref_norm.rms_norm_torch(x, nw, 1e-6, r) if r is not None else (ref_norm.rms_norm_torch(x, nw, 1e-6), x)) if norm else (x, None)
+    want = torch.nn.functional.linear(h, w, b)
+    if gate_up:
+        want = silu_and_mul_torch(want)
+    if norm:
+        got, got_res = got
+        torch.testing.assert_close(got_res, new_res, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_import_without_triton_is_safe():
     """With triton unimportable the modules still import (kernels are built on first call)."""
     code = (
@@ -292,6 +323,14 @@ for norm in (False, True):
                       cos_ptr="*fp32", sin_ptr="*fp32", qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32"),
             dict(H=16, KVH=8, H_PAD=16, KVH_PAD=8, HALF=64, BLOCK_SIZE=16, HAS_NORM=norm))
 compile(silu, dict(x_ptr="*bf16", out_ptr="*bf16"), dict(BLOCK=1024))
+from kernels import triton_gemv as tg
+for dt in ("bf16", "fp16"):
+    for norm, res, gate_up in ((False, False, False), (True, True, False), (True, True, True), (True, False, False)):
+        k = compile(tg._kernel(), {**{n: "*" + dt for n in ("x_ptr", "res_ptr", "norm_w_ptr", "w_ptr", "bias_ptr",
+                                                             "out_ptr", "res_out_ptr")}, "eps": "fp32"},
+                    dict(HAS_NORM=norm, HAS_RESIDUAL=res, HAS_BIAS=False, GATE_UP=gate_up, BLOCK_M=16, BLOCK_N=16,
+                         BLOCK_K=128, DOT_PRECISION="tf32"))
+        assert "mma" in k.asm["ptx"], "small-batch linear dots must use tensor cores"
 from kernels import triton_sampling as ts
 compile(ts._kernel(), dict(logits_ptr="*bf16", temp_ptr="*fp32", best_val_ptr="*fp32", best_idx_ptr="*i64",
                            seed="i32", vocab="i32", stride_row="i32"), dict(NUM_SLICES=38, BLOCK=4096))

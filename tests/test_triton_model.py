@@ -80,9 +80,10 @@ def tiny_model(family: str) -> LoadedModel:
     return LoadedModel("random", config, model.eval())
 
 
-def engine(loaded: LoadedModel, backend: str) -> Engine:
+def engine(loaded: LoadedModel, backend: str, small_batch_gemv: bool = False) -> Engine:
     config = EngineConfig(model="random", device="cpu", kernel_backend=backend, kv_cache_tokens=1024,
-                          max_num_batched_tokens=48, max_running_requests=8, num_threads=1)
+                          max_num_batched_tokens=48, max_running_requests=8, num_threads=1,
+                          small_batch_gemv=small_batch_gemv)
     return Engine(config, ModelRunner(config, loaded))
 
 
@@ -94,14 +95,17 @@ def test_triton_backend_generates_like_torch_backend(family):
     prompts = [shared + [5, 6], torch.randint(1, 300, (70,), generator=g).tolist(), [9], shared + [7]]
     sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     runs = {}
-    for backend in ("torch", "triton"):
-        eng = engine(loaded, backend)
-        assert eng.runner.model.triton == (backend == "triton")
+    # triton+gemv: steps of <= 16 tokens (the decodes, a 1-token prompt) take the fused
+    # small-batch projections (kernels/triton_gemv.py), longer ones the plain Triton path.
+    for backend in ("torch", "triton", "triton+gemv"):
+        eng = engine(loaded, backend.split("+")[0], small_batch_gemv=backend.endswith("gemv"))
+        assert eng.runner.model.triton == (backend != "torch")
+        assert eng.runner.model.model.layers[0].small_batch_gemv == backend.endswith("gemv")
         first = eng.generate(prompts[:3], sp)  # 70-token prompt: chunked (48-token budget)
         second = eng.generate(prompts[3:], sp)  # shares 32 cached tokens with prompt 0
         assert second[0].num_cached_tokens == 32
         runs[backend] = [c.output_ids for c in first + second]
-    assert runs["triton"] == runs["torch"]
+    assert runs["triton"] == runs["torch"] == runs["triton+gemv"]
 
 
 # -- CUDA-graph bookkeeping ----------------------------------------------------------------

@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 libtriton = pytest.importorskip("triton._C.libtriton")
 from triton.backends.compiler import BaseBackend  # noqa: E402
 
-from kernels import triton_attention, triton_ops  # noqa: E402
+from kernels import triton_attention, triton_gemv, triton_ops  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.messages import SamplingParams  # noqa: E402
@@ -51,9 +51,10 @@ class LaunchRecorder:
 
     def __init__(self, monkeypatch):
         self.variants: list[tuple] = []
-        attention, ops = triton_attention._kernels(), triton_ops._kernels()
+        attention, ops, gemv = triton_attention._kernels(), triton_ops._kernels(), triton_gemv._kernel()
         monkeypatch.setattr(triton_attention, "_kernels", lambda: tuple(map(self._wrap, attention)))
         monkeypatch.setattr(triton_ops, "_kernels", lambda: tuple(map(self._wrap, ops)))
+        monkeypatch.setattr(triton_gemv, "_kernel", lambda: self._wrap(gemv))
 
     def _wrap(self, kernel):
         recorder = self
@@ -81,9 +82,11 @@ def test_warmup_batches_cover_each_decode_split_and_both_prefill_tiles():
     assert warmup_batches(1, 8, 1) == [[1], [1, 2], [1, 64]]
 
 
-def test_engine_steps_launch_only_warmed_up_kernel_variants(monkeypatch):
+@pytest.mark.parametrize("small_batch_gemv", [False, True], ids=["cublas", "small-batch-gemv"])
+def test_engine_steps_launch_only_warmed_up_kernel_variants(monkeypatch, small_batch_gemv):
     config = EngineConfig(model="random", device="cpu", kernel_backend="triton", kv_cache_tokens=8192,
-                          max_num_batched_tokens=48, max_running_requests=48, num_threads=1, seed=0)
+                          max_num_batched_tokens=48, max_running_requests=48, num_threads=1, seed=0,
+                          small_batch_gemv=small_batch_gemv)
     runner = ModelRunner(config, tiny_model("qwen3"))
     runner.num_sms = H100_SMS
     recorder = LaunchRecorder(monkeypatch)
@@ -116,5 +119,6 @@ def test_engine_steps_launch_only_warmed_up_kernel_variants(monkeypatch):
     names = {name for name, _, _ in stepped}
     assert {"_unified_attention_kernel", "_combine_splits_kernel", "_qkv_rope_store_kernel"} <= names
     assert len({c for n, c, _ in stepped if n == "_unified_attention_kernel"}) >= 3  # several tile configs ran
+    assert ("_small_batch_linear_kernel" in names) == small_batch_gemv
     missing = stepped - warmed
     assert not missing, f"variants first compiled while serving (not in compile_kernels): {missing}"

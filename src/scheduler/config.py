@@ -19,6 +19,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_threads: int | None = None  # torch intra-op threads on CPU; None = all cores
     kernel_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
     cuda_graph: bool = True  # replay captured graphs for decode-only steps (CUDA + triton only)
+    # steps of <= 16 tokens run the Triton projections with the norms and SiLU fused
+    # (kernels/triton_gemv.py; triton backend only); off until measured faster than cuBLAS
+    small_batch_gemv: bool = False
     # launch each step before taking the previous step's tokens; None: on accelerators only
     overlap_schedule: bool | None = None
     seed: int = 0

@@ -122,7 +122,7 @@ class ModelRunner:
         self.upload, self.download = HostToDevice(self.device), DeviceToHost(self.device)
         self.sampler = BatchSampler(self.model, self.device, self.generator, self.model_config.vocab_size, self.upload)
         self.triton = self._use_triton()
-        self.model.use_triton_kernels(self.triton)
+        self.model.use_triton_kernels(self.triton, small_batch_gemv=config.small_batch_gemv)
         self.graphs = None
         self.num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "torch (reference path) or triton")
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs")
+    p.add_argument("--small-batch-gemv", action="store_true",
+                   help="experimental (Triton backend): steps of at most 16 tokens run fused Triton projections "
+                   "(RMSNorm and SiLU-mul folded in) instead of cuBLAS; see bench/bench_n256.py")
     p.add_argument("--overlap-schedule", choices=["auto", "on", "off"], default="auto",
                    help="launch each step before taking the previous step's tokens, hiding the host's "
                    "bookkeeping behind the device's work: auto = on for accelerators, off on CPU")
@@ -91,6 +94,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
         num_threads=args.num_threads,
         kernel_backend=args.kernel_backend,
         cuda_graph=not args.disable_cuda_graph,
+        small_batch_gemv=args.small_batch_gemv,
         overlap_schedule={"auto": None, "on": True, "off": False}[args.overlap_schedule],
         seed=args.seed,
         served_model_name=args.served_model_name,

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kernels import triton_attention, triton_ops
+from kernels.triton_gemv import SMALL_BATCH_ROWS, small_batch_linear
 from kernels.activation import silu_and_mul
 from kernels.linear import linear
 from kernels.attention import AttentionMetadata, paged_attention, qkv_rope_store
@@ -87,21 +88,26 @@ class Attention(nn.Module):
         self.triton = False
 
     def forward(self, rope, x, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-        qkv_args = (
-            _project(self.qkv_proj, x, row_major=self.triton), self.num_heads, self.num_kv_heads, *rope,
-            kv_cache[0], kv_cache[1], meta.slot_mapping, *norms, self.eps,
-        )
-        if self.triton:  # 3 launches between the two GEMMs
-            q = triton_ops.qkv_rope_store(*qkv_args)
-            o = triton_attention.unified_attention(
-                q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                self.scale, max_query_len=meta.max_query_len, num_splits=meta.num_splits,
-            )
-            return _project(self.o_proj, o.view(-1, self.q_size), row_major=True)
-        q, k, v = qkv_rope_store(*qkv_args)
+        qkv = _project(self.qkv_proj, x, row_major=self.triton)
+        if self.triton:
+            return _project(self.o_proj, self.attend(rope, qkv, kv_cache, meta), row_major=True)
+        q, k, v = qkv_rope_store(qkv, *self._qkv_args(rope, kv_cache, meta))
         o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, k, v)
         return _project(self.o_proj, o.reshape(-1, self.q_size))
+
+    def _qkv_args(self, rope, kv_cache: KVCache, meta: AttentionMetadata) -> tuple:
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        return self.num_heads, self.num_kv_heads, *rope, kv_cache[0], kv_cache[1], meta.slot_mapping, *norms, self.eps
+
+    def attend(self, rope, qkv: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """Triton path from the fused projection to the attention output ``[T, H * D]``:
+        q/k norm + rope + KV store in one launch, then paged attention."""
+        q = triton_ops.qkv_rope_store(qkv, *self._qkv_args(rope, kv_cache, meta))
+        o = triton_attention.unified_attention(
+            q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc, meta.seq_lens,
+            self.scale, max_query_len=meta.max_query_len, num_splits=meta.num_splits,
+        )
+        return o.view(-1, self.q_size)
 
 
 class MLP(nn.Module):
@@ -123,8 +129,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
+        self.small_batch_gemv = False
 
     def forward(self, rope, x, residual, kv_cache, meta):
+        if self.small_batch_gemv and x.shape[0] <= SMALL_BATCH_ROWS:
+            return self._forward_few_rows(rope, x, residual, kv_cache, meta)
         # The residual add is deferred into the next norm (x + residual, then normalise),
         # which is one fused kernel on GPUs.
         if residual is None:
@@ -134,6 +143,17 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(rope, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def _forward_few_rows(self, rope, x, residual, kv_cache, meta):
+        """A few rows (small decode batches, Triton): six launches, the norms and the SiLU-mul
+        fused into the projections (kernels/triton_gemv.py)."""
+        attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = small_batch_linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias, ln1.weight, residual, ln1.eps)
+        o = small_batch_linear(attn.attend(rope, qkv, kv_cache, meta), attn.o_proj.weight, attn.o_proj.bias)
+        act, residual = small_batch_linear(
+            o, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, ln2.weight, residual, ln2.eps, gate_up=True
+        )
+        return small_batch_linear(act, mlp.down_proj.weight, mlp.down_proj.bias), residual
 
 
 class LlamaModel(nn.Module):
@@ -179,12 +199,15 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.model.norm(x, residual)
         return x
 
-    def use_triton_kernels(self, enabled: bool = True) -> None:
+    def use_triton_kernels(self, enabled: bool = True, small_batch_gemv: bool = False) -> None:
         """Switch every layer to the Triton kernels (GPUs; the CPU under TRITON_INTERPRET=1).
-        They read the varlen metadata (``attention.build_varlen``)."""
+        They read the varlen metadata (``attention.build_varlen``). ``small_batch_gemv``:
+        steps of at most ``SMALL_BATCH_ROWS`` tokens take the fused projections."""
         for module in self.modules():
             if hasattr(module, "triton"):
                 module.triton = enabled
+            if isinstance(module, DecoderLayer):
+                module.small_batch_gemv = enabled and small_batch_gemv
         self.triton = enabled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,146 @@
+"""Projections of a few rows (decode at small batch) in Triton, with the ops around them fused.
+
+At batch 1 a decoder layer is launch-bound: ten short kernels (two norms, four GEMMs, the
+SiLU-mul, rope/store, attention) each pay a launch and a tail for a few µs of memory
+traffic. :func:`small_batch_linear` folds the RMSNorm (+ residual add) that precedes a
+projection into its prologue and the SiLU-mul that follows the gate|up projection into its
+epilogue, so a layer runs six kernels:
+
+    norm+qkv -> rope/store -> attention -> o_proj -> norm+gate_up+silu -> down
+
+Each program owns ``BLOCK_N`` output columns and streams their weight rows once; the rows
+of ``x`` (at most ``BLOCK_M = 16``, padded for ``tl.dot``) are re-read from cache by every
+program. With a norm, a first pass over ``x`` takes each row's sum of squares and program 0
+writes the new residual ``x + residual``; the main loop normalises each chunk on the fly.
+
+Rounding follows the torch path (``norm.rms_norm_torch``, ``activation.silu_and_mul``):
+``x + residual`` and the normalised value are rounded to the input dtype before the weight
+multiply, the GEMM output is rounded before the SiLU, the SiLU before the multiply by up.
+Accumulation is fp32.
+
+Import-safe without triton or a GPU: triton is imported lazily on first call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+SMALL_BATCH_ROWS = 16  # the most rows one program holds (tl.dot's minimum M)
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["M"])
+    def _small_batch_linear_kernel(
+        x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr,
+        M, K, N,  # N: output columns (GATE_UP: the weight has 2N rows, gate then up)
+        stride_xm, stride_rm, stride_wn, stride_om, stride_rom,
+        eps,
+        HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        ks = tl.arange(0, BLOCK_K)
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        ty = x_ptr.dtype.element_ty
+        x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+        r_rows = res_ptr + rows[:, None].to(tl.int64) * stride_rm
+
+        rstd = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_NORM:  # pass 1: each row's sum of squares (and the new residual, by program 0)
+            sq = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + ks
+                m = row_ok[:, None] & (kk < K)[None, :]
+                h = tl.load(x_rows + kk[None, :], mask=m, other=0.0)
+                if HAS_RESIDUAL:
+                    h = (h.to(tl.float32) + tl.load(r_rows + kk[None, :], mask=m, other=0.0).to(tl.float32)).to(ty)
+                    if pid == 0:
+                        tl.store(res_out_ptr + rows[:, None].to(tl.int64) * stride_rom + kk[None, :], h, mask=m)
+                hf = h.to(tl.float32)
+                sq += tl.sum(hf * hf, 1)
+            rstd = 1.0 / tl.sqrt(sq / K + eps)
+
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < K
+            a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if HAS_NORM:
+                if HAS_RESIDUAL:
+                    r = tl.load(r_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    a = (a.to(tl.float32) + r.to(tl.float32)).to(ty)
+                nw = tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+                a = ((a.to(tl.float32) * rstd[:, None]).to(ty).to(tl.float32) * nw[None, :]).to(ty)
+            w_ok = col_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0)
+            acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
+            if GATE_UP:
+                w_up = tl.load(w_rows + N * stride_wn + kk[None, :], mask=w_ok, other=0.0)
+                acc_up += tl.dot(a, tl.trans(w_up), input_precision=DOT_PRECISION)
+
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            if GATE_UP:
+                acc_up += tl.load(bias_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out = acc.to(ty)
+        if GATE_UP:  # silu(gate) rounded, times up: activation.silu_and_mul's order
+            gate = out.to(tl.float32)
+            out = (gate / (1.0 + tl.exp(-gate))).to(ty) * acc_up.to(ty)
+        o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+        tl.store(o_ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
+
+    return _small_batch_linear_kernel
+
+
+def small_batch_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    gate_up: bool = False,
+    block_n: int = 16,
+    block_k: int = 128,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K] @ weight.T (+ bias)`` for ``M <= SMALL_BATCH_ROWS``.
+
+    ``norm_weight``: the input is first ``rms_norm(x + residual) * norm_weight`` (no
+    ``residual``: of ``x``), and the new residual stream is returned too: ``(out, x + residual)``
+    (``(out, x)`` without one), like ``RMSNorm(x, residual)`` followed by the projection.
+    ``gate_up``: ``weight`` is ``[2N, K]`` (gate rows, then up rows) and the result is
+    ``silu(gate) * up``, ``[M, N]``."""
+    M, K = x.shape
+    assert M <= SMALL_BATCH_ROWS and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == K
+    assert residual is None or norm_weight is not None, "the residual is added before the norm"
+    n = weight.shape[0] // 2 if gate_up else weight.shape[0]
+    out = torch.empty((M, n), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else out
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(1) == 1
+    if M:
+        _kernel()[(-(-n // block_n),)](
+            x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
+            bias if bias is not None else weight, out, res_out,
+            M, K, n,
+            x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
+            res_out.stride(0), float(eps),
+            HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+            GATE_UP=gate_up, BLOCK_M=SMALL_BATCH_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        )
+    if norm_weight is None:
+        return out
+    return out, (res_out if residual is not None else x)
+
