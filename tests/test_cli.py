@@ -1,33 +1,64 @@
-"""The daemon's command line: flags map onto EngineConfig / ServerConfig, bad values are refused."""
+"""The daemon's command line: flags map onto EngineConfig / ServerConfig, bad values are refused.
+
+``servicer.cli`` imports the server's generated stubs, which cannot share a process with
+smg-grpc-proto's (both register common.proto), so the parser runs in a fresh interpreter.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+_SRC = Path(__file__).resolve().parent.parent / "src"
+_PARSE = """
+import json, sys
 from servicer.cli import parse_args
+try:
+    engine, server = parse_args(json.loads(sys.argv[1]))
+except SystemExit as e:
+    print(json.dumps({"exit": e.code}))
+else:
+    import msgspec
+    print(json.dumps({"engine": msgspec.to_builtins(engine), "host": server.host}))
+"""
+
+
+def parse(argv: list[str]) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_SRC), os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-c", _PARSE, json.dumps(argv)], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.splitlines()[-1])
+    out["stderr"] = r.stderr
+    return out
 
 
 def test_defaults_serve_the_embedded_model_on_localhost():
-    engine, server = parse_args([])
-    assert engine.model == "smollm2" and server.host == "127.0.0.1"
-    assert engine.cuda_graph and engine.overlap_schedule is None and not engine.small_batch_gemv
-    assert engine.kernel_backend == "auto" and engine.enable_prefix_caching
+    out = parse([])
+    engine = out["engine"]
+    assert engine["model"] == "smollm2" and out["host"] == "127.0.0.1"
+    assert engine["cuda_graph"] and engine["overlap_schedule"] is None and not engine["small_batch_gemv"]
+    assert engine["kernel_backend"] == "auto" and engine["enable_prefix_caching"]
 
 
 def test_kernel_and_schedule_flags():
-    engine, _ = parse_args(["--disable-cuda-graph", "--small-batch-gemv", "--overlap-schedule", "on",
-                            "--kernel-backend", "triton", "--disable-prefix-caching"])
-    assert not engine.cuda_graph and engine.small_batch_gemv and engine.overlap_schedule is True
-    assert engine.kernel_backend == "triton" and not engine.enable_prefix_caching
-    assert parse_args(["--disable-overlap-schedule"])[0].overlap_schedule is False
+    engine = parse(["--disable-cuda-graph", "--small-batch-gemv", "--overlap-schedule", "on",
+                    "--kernel-backend", "triton", "--disable-prefix-caching"])["engine"]
+    assert not engine["cuda_graph"] and engine["small_batch_gemv"] and engine["overlap_schedule"] is True
+    assert engine["kernel_backend"] == "triton" and not engine["enable_prefix_caching"]
+    assert parse(["--disable-overlap-schedule"])["engine"]["overlap_schedule"] is False
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["--kv-cache-memory", "lots"], ["--max-running-requests", "0"], ["--kv-cache-tokens", "10", "--kv-cache-memory", "1GiB"],
-     ["--overlap-schedule", "maybe"]],
+    [["--kv-cache-memory", "lots"], ["--max-running-requests", "0"],
+     ["--kv-cache-tokens", "10", "--kv-cache-memory", "1GiB"], ["--overlap-schedule", "maybe"]],
 )
-def test_bad_values_are_refused(argv, capsys):
-    with pytest.raises(SystemExit) as exc:
-        parse_args(argv)
-    assert exc.value.code == 2 and "error" in capsys.readouterr().err
+def test_bad_values_are_refused(argv):
+    out = parse(argv)
+    assert out["exit"] == 2 and "error" in out["stderr"]
