@@ -112,7 +112,7 @@ def small_batch_linear(
     eps: float = 1e-6,
     gate_up: bool = False,
     block_n: int = 16,
-    block_k: int = 128,
+    block_k: int = 256,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K] @ weight.T (+ bias)`` for ``M <= SMALL_BATCH_ROWS``.
 
