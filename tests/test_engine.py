@@ -2,6 +2,7 @@
 preemption must not change greedy tokens, and every KV block comes back."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -80,7 +81,7 @@ def test_preemption_under_tiny_kv_gives_same_tokens(loaded, reference):
 def test_generation_throughput_over_a_sliding_window(loaded, monkeypatch):
     engine = make_engine(loaded)
     clock = [1000.0]
-    monkeypatch.setattr("scheduler.engine.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("scheduler.engine.time", SimpleNamespace(monotonic=lambda: clock[0]))  # this module's clock only
     for t, n in [(0.0, 10), (1.0, 20), (2.0, 30), (6.5, 40)]:  # the 5 s window drops the first two
         clock[0] = 1000.0 + t
         engine._recent_tokens(n)

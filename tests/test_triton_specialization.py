@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 libtriton = pytest.importorskip("triton._C.libtriton")
 from triton.backends.compiler import BaseBackend  # noqa: E402
 
-from kernels import triton_attention, triton_gemv, triton_ops  # noqa: E402
+from kernels import triton_attention, triton_gemv, triton_ops, triton_sampling  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.messages import SamplingParams  # noqa: E402
@@ -47,16 +47,20 @@ def specialisation_key(kernel, args: tuple) -> tuple:
 
 
 class LaunchRecorder:
-    """Stands in for the kernels' factories: records ``(kernel, constexprs, key)`` per launch."""
+    """Stands in for the kernels' factories: records ``(kernel, constexprs, key)`` per launch.
+    The model's kernels are not run (their outputs stay uninitialised: only the launches
+    matter); the sampler's is, so that sampled tokens are real vocabulary ids."""
 
     def __init__(self, monkeypatch):
         self.variants: list[tuple] = []
         attention, ops, gemv = triton_attention._kernels(), triton_ops._kernels(), triton_gemv._kernel()
+        sampler = triton_sampling._kernel()
         monkeypatch.setattr(triton_attention, "_kernels", lambda: tuple(map(self._wrap, attention)))
         monkeypatch.setattr(triton_ops, "_kernels", lambda: tuple(map(self._wrap, ops)))
         monkeypatch.setattr(triton_gemv, "_kernel", lambda: self._wrap(gemv))
+        monkeypatch.setattr(triton_sampling, "_kernel", lambda: self._wrap(sampler, run=True))
 
-    def _wrap(self, kernel):
+    def _wrap(self, kernel, run: bool = False):
         recorder = self
 
         class Recorded:
@@ -64,6 +68,8 @@ class LaunchRecorder:
                 def launch(*args, **constexprs):
                     key = specialisation_key(kernel, args)
                     recorder.variants.append((kernel.fn.__name__, tuple(sorted(constexprs.items())), key))
+                    if run:
+                        kernel[grid](*args, **constexprs)
 
                 return launch
 
@@ -84,31 +90,36 @@ def test_warmup_batches_cover_each_decode_split_and_both_prefill_tiles():
 
 @pytest.mark.parametrize("small_batch_gemv", [False, True], ids=["cublas", "small-batch-gemv"])
 def test_engine_steps_launch_only_warmed_up_kernel_variants(monkeypatch, small_batch_gemv):
-    config = EngineConfig(model="random", device="cpu", kernel_backend="triton", kv_cache_tokens=8192,
-                          max_num_batched_tokens=48, max_running_requests=48, num_threads=1, seed=0,
+    config = EngineConfig(model="random", device="cpu", kernel_backend="triton", kv_cache_tokens=16384,
+                          max_num_batched_tokens=160, max_running_requests=160, num_threads=1, seed=0,
                           small_batch_gemv=small_batch_gemv)
     runner = ModelRunner(config, tiny_model("qwen3"))
     runner.num_sms = H100_SMS
+    runner.sampler.fused_sampling = True  # the GPU's fused Gumbel sampler for temperature-only rows
     recorder = LaunchRecorder(monkeypatch)
     runner.compile_kernels()
     warmed = recorder.take()
 
-    # Many batch shapes: 40 requests whose prompts (1-150 tokens, a third sharing a cached
-    # prefix) prefill in 48-token chunks beside running decodes, then decode batches that
-    # shrink from 40 to 1 as the requests reach their lengths.
+    # Many batch shapes. Phase 1: 40 requests whose prompts (1-150 tokens, a third sharing a
+    # cached prefix) prefill in chunks (160-token steps) beside running decodes. Phase 2: 150 short
+    # prompts at once, whose decode batches shrink from 150 as they reach their lengths,
+    # through every split factor (2, 4, 8, 16 with H100_SMS and 2 KV heads).
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(1, 300, (40,), generator=g).tolist()
-    prompts, params = [], []
+    phases = [[], []]
     for i in range(40):
         n = int(torch.randint(1, 150, (1,), generator=g))
         prompt = torch.randint(1, 300, (n,), generator=g).tolist()
-        prompts.append(shared + prompt[:50] if i % 3 == 0 else prompt)
-        params.append(SamplingParams(max_new_tokens=int(torch.randint(1, 40, (1,), generator=g)), temperature=0.0,
-                                     ignore_eos=True))
+        phases[0].append((shared + prompt[:50] if i % 3 == 0 else prompt, int(torch.randint(1, 40, (1,), generator=g))))
+    for i in range(150):
+        prompt = torch.randint(1, 300, (1 + i % 3,), generator=g).tolist()
+        phases[1].append((prompt, 12 + i % 40))
     engine = Engine(config, runner)
-    done = engine.generate(prompts, params)
-    assert [len(c.output_ids) for c in done] == [p.max_new_tokens for p in params]
-    assert any(c.num_cached_tokens for c in done)
+    for temperature, phase in zip((0.7, 0.0), phases):  # sampled rows (fused sampler) in phase 1: it is slow here
+        params = [SamplingParams(max_new_tokens=m, temperature=temperature * (i % 2), ignore_eos=True)
+                  for i, (_, m) in enumerate(phase)]
+        done = engine.generate([p for p, _ in phase], params)
+        assert [len(c.output_ids) for c in done] == [p.max_new_tokens for p in params]
     stepped = recorder.take()
 
     by_config: dict[tuple, set] = {}
@@ -117,8 +128,10 @@ def test_engine_steps_launch_only_warmed_up_kernel_variants(monkeypatch, small_b
     unstable = {cfg: keys for cfg, keys in by_config.items() if len(keys) > 1}
     assert not unstable, f"per-step values change these kernels' specialisation: {unstable}"
     names = {name for name, _, _ in stepped}
-    assert {"_unified_attention_kernel", "_combine_splits_kernel", "_qkv_rope_store_kernel"} <= names
-    assert len({c for n, c, _ in stepped if n == "_unified_attention_kernel"}) >= 3  # several tile configs ran
+    assert {"_unified_attention_kernel", "_combine_splits_kernel", "_qkv_rope_store_kernel",
+            "_gumbel_argmax_kernel"} <= names
+    splits = {dict(c)["NUM_SPLITS"] for n, c, _ in stepped if n == "_unified_attention_kernel"}
+    assert {1, 2, 4, 8, 16} <= splits  # prefill/mixed steps and every decode split factor ran
     assert ("_small_batch_linear_kernel" in names) == small_batch_gemv
     missing = stepped - warmed
     assert not missing, f"variants first compiled while serving (not in compile_kernels): {missing}"

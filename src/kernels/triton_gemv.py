@@ -4,9 +4,10 @@ At batch 1 a decoder layer is launch-bound: ten short kernels (two norms, four G
 SiLU-mul, rope/store, attention) each pay a launch and a tail for a few µs of memory
 traffic. :func:`small_batch_linear` folds the RMSNorm (+ residual add) that precedes a
 projection into its prologue and the SiLU-mul that follows the gate|up projection into its
-epilogue, so a layer runs six kernels:
+epilogue, so a layer runs six kernels (seven when decode attention splits its keys and
+merges the splits):
 
-    norm+qkv -> rope/store -> attention -> o_proj -> norm+gate_up+silu -> down
+    norm+qkv -> rope/store -> attention (-> combine) -> o_proj -> norm+gate_up+silu -> down
 
 Each program owns ``BLOCK_N`` output columns and streams their weight rows once; the rows
 of ``x`` (at most ``BLOCK_M = 16``, padded for ``tl.dot``) are re-read from cache by every
@@ -86,7 +87,7 @@ def _kernel():
             w = tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0)
             acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
             if GATE_UP:
-                w_up = tl.load(w_rows + N * stride_wn + kk[None, :], mask=w_ok, other=0.0)
+                w_up = tl.load(w_rows + N.to(tl.int64) * stride_wn + kk[None, :], mask=w_ok, other=0.0)
                 acc_up += tl.dot(a, tl.trans(w_up), input_precision=DOT_PRECISION)
 
         if HAS_BIAS:

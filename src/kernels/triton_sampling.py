@@ -60,6 +60,7 @@ def _kernel():
 def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.Tensor:
     """One token per row of ``logits [N, V]``; ``temperature [N]`` float32 (0: greedy)."""
     n, vocab = logits.shape
+    logits = logits.reshape(n, vocab)  # a lone row's stride is arbitrary (1 on the CPU): a view with the usual one
     assert logits.stride(1) == 1 and temperature.shape == (n,)
     slices = -(-vocab // VOCAB_SLICE)
     best_val = torch.empty((n, slices), dtype=torch.float32, device=logits.device)

@@ -122,6 +122,8 @@ class ModelRunner:
         self.upload, self.download = HostToDevice(self.device), DeviceToHost(self.device)
         self.sampler = BatchSampler(self.model, self.device, self.generator, self.model_config.vocab_size, self.upload)
         self.triton = self._use_triton()
+        if config.small_batch_gemv and not self.triton:
+            logger.warning("small_batch_gemv needs the Triton kernels (CUDA, or kernel_backend=triton): ignored")
         self.model.use_triton_kernels(self.triton, small_batch_gemv=config.small_batch_gemv)
         self.graphs = None
         self.num_sms = (

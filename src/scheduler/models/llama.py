@@ -145,8 +145,8 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
     def _forward_few_rows(self, rope, x, residual, kv_cache, meta):
-        """A few rows (small decode batches, Triton): six launches, the norms and the SiLU-mul
-        fused into the projections (kernels/triton_gemv.py)."""
+        """A few rows (small decode batches, Triton): six kernels (seven with split-KV decode
+        attention), the norms and the SiLU-mul fused into the projections (kernels/triton_gemv.py)."""
         attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         qkv, residual = small_batch_linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias, ln1.weight, residual, ln1.eps)
         o = small_batch_linear(attn.attend(rope, qkv, kv_cache, meta), attn.o_proj.weight, attn.o_proj.bias)
