@@ -123,6 +123,8 @@ def small_batch_linear(
     ``gate_up``: ``weight`` is ``[2N, K]`` (gate rows, then up rows) and the result is
     ``silu(gate) * up``, ``[M, N]``."""
     M, K = x.shape
+    x = x.reshape(M, K)  # a lone row's stride is arbitrary (1 on the CPU): a view with the usual one
+    residual = residual.reshape(M, K) if residual is not None else None
     assert M <= SMALL_BATCH_ROWS and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == K
     assert residual is None or norm_weight is not None, "the residual is added before the norm"
     n = weight.shape[0] // 2 if gate_up else weight.shape[0]
