@@ -123,15 +123,16 @@ def small_batch_linear(
     ``gate_up``: ``weight`` is ``[2N, K]`` (gate rows, then up rows) and the result is
     ``silu(gate) * up``, ``[M, N]``."""
     M, K = x.shape
-    x = x.reshape(M, K)  # a lone row's stride is arbitrary (1 on the CPU): a view with the usual one
+    assert residual is None or norm_weight is not None, "the residual is added before the norm"
+    assert residual is None or residual.shape == x.shape
+    # A lone row's stride is arbitrary (1 on the CPU): views with the usual one.
+    x = x.reshape(M, K)
     residual = residual.reshape(M, K) if residual is not None else None
     assert M <= SMALL_BATCH_ROWS and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == K
-    assert residual is None or norm_weight is not None, "the residual is added before the norm"
+    assert residual is None or residual.stride(1) == 1
     n = weight.shape[0] // 2 if gate_up else weight.shape[0]
     out = torch.empty((M, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else out
-    if residual is not None:
-        assert residual.shape == x.shape and residual.stride(1) == 1
     if M:
         _kernel()[(-(-n // block_n),)](
             x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
