@@ -7,7 +7,8 @@ In one process run, side by side:
   (b) batch-1 decode: the step time of one running request (engine ITL, and the model's
       forward + LM head alone) against the HBM floor = weight bytes / measured copy bandwidth
       (a large device-to-device copy, bytes read + written); with cuBLAS projections and with
-      the fused small-batch ones (EngineConfig.small_batch_gemv);
+      the fused small-batch ones (EngineConfig.small_batch_gemv), and those launched as
+      programmatic dependents (EngineConfig.pdl; sm_90+);
   (c) HF transformers static batching (left-padded batches of --hf-batch, sampling at
       temperature 0.6 with top-k/top-p off, min_new_tokens = max_new_tokens = the batch's
       longest, counting each request's own tokens) on the same weights and GPU.
@@ -123,13 +124,20 @@ def run_engine(loaded: LoadedModel, args, overlap: bool = True) -> dict:
     return n256
 
 
-def run_batch1(loaded: LoadedModel, args, small_batch_gemv: bool = False) -> dict:
+# (result key, small_batch_gemv, pdl): the batch-1 variants timed side by side
+BATCH1_VARIANTS = (("batch1", False, False), ("batch1_small_batch_gemv", True, False),
+                   ("batch1_small_batch_gemv_pdl", True, True))
+
+
+def run_batch1(loaded: LoadedModel, args, small_batch_gemv: bool = False, pdl: bool = False) -> dict:
     """(b) batch 1: a 512-token prompt then 256 decode steps, the median gap between tokens;
     and the forward (graph replay) + LM head alone, timed with events. ``small_batch_gemv``:
-    the fused small-batch projections (kernels/triton_gemv.py) instead of cuBLAS + norms."""
+    the fused small-batch projections (kernels/triton_gemv.py) instead of cuBLAS + norms;
+    ``pdl``: their kernels launched as programmatic dependents."""
     config = EngineConfig(
         model="random-qwen3-0.6b", device="cuda", dtype="bfloat16", max_running_requests=16,
         kv_cache_memory="2GiB", max_model_len=4096, cuda_graph=not args.eager, small_batch_gemv=small_batch_gemv,
+        pdl=pdl,
     )
     engine = Engine(config, ModelRunner(config, loaded))  # (sets the shared model's kernel switches)
     prompts, _ = n256_workload()
@@ -212,8 +220,8 @@ def main() -> None:
         n256["overlap_over_plain"] = n256["tok_per_s"] / plain["tok_per_s"]
         torch.cuda.empty_cache()
     result = {"gpu": gpu, "torch": torch.__version__, "n256_engine": n256}
-    for key, gemv in (("batch1", False), ("batch1_small_batch_gemv", True)):
-        batch1 = run_batch1(loaded, args, small_batch_gemv=gemv)
+    for key, gemv, pdl in BATCH1_VARIANTS:
+        batch1 = run_batch1(loaded, args, small_batch_gemv=gemv, pdl=pdl)
         floor_ms = 1e3 * batch1["weight_bytes"] / bw
         batch1.update(copy_bandwidth_gbs=bw / 1e9, hbm_floor_ms=floor_ms,
                       engine_step_x_floor=batch1["engine_step_ms"] / floor_ms)
@@ -235,8 +243,10 @@ def main() -> None:
         h = result["n256_hf"]
         print(f"N256 HF static batch {h['batch']}: {h['tok_per_s']:.0f} tok/s ({h['batches_run']}/{h['batches_total']} "
               f"batches, {h['wall_s']:.1f} s); engine / HF = {result['engine_over_hf']:.1f}x")
-    for key, label in (("batch1", "cuBLAS + norms"), ("batch1_small_batch_gemv", "fused small-batch GEMVs")):
-        b1 = result[key]
+    labels = {"batch1": "cuBLAS + norms", "batch1_small_batch_gemv": "fused small-batch GEMVs",
+              "batch1_small_batch_gemv_pdl": "fused GEMVs, programmatic dependent launch"}
+    for key, _, _ in BATCH1_VARIANTS:
+        label, b1 = labels[key], result[key]
         print(f"batch 1 ({label}): engine step {b1['engine_step_ms']:.3f} ms, forward+LM head "
               f"{b1.get('forward_lm_head_ms', float('nan')):.3f} ms, HBM floor {b1['hbm_floor_ms']:.3f} ms "
               f"({b1['weight_bytes'] / 1e9:.2f} GB weights): {b1['engine_step_x_floor']:.2f}x / "

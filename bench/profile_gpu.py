@@ -2,12 +2,14 @@
 
     python bench/profile_gpu.py [--skip attn,steps]
 
-(1) Decode attention alone (unified Triton kernel, Qwen3-0.6B heads, bf16, scattered blocks):
-    time and KV bytes/s for key-tile sizes, warps and split-KV factors, per batch size.
+(1) Decode attention alone (unified Triton kernel, Qwen3-0.6B heads, bf16, scattered blocks),
+    in CUDA graphs: time and KV bytes/s for key-tile sizes, warps and split-KV factors, per
+    batch size.
 (2) N256 through the engine with host timers around each phase of a step (schedule, model,
     sampling, update), the GPU synchronised at each boundary.
 (3) The small-batch projections (kernels/triton_gemv.py) against what they replace (Triton
-    RMSNorm + cuBLAS linear (+ Triton SiLU-mul)), per Qwen3-0.6B projection, in CUDA graphs.
+    RMSNorm + cuBLAS linear (+ Triton SiLU-mul)), per Qwen3-0.6B projection, in CUDA graphs;
+    the best blocks also launched as programmatic dependents (sm_90+).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ def attention_probe() -> None:
     num_blocks = 256 * 1100 // BS + 8
     k = torch.randn(num_blocks, BS, KVH, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
+    # In CUDA graphs, as the decode steps run: without them a batch-1 launch is host-bound.
+    bench = getattr(triton.testing, "do_bench_cudagraph", None)
+    bench = bench or (lambda fn, rep, return_mode: triton.testing.do_bench(fn, warmup=20, rep=rep, return_mode=return_mode))
     print(f"{'B':>4} {'ctx':>5} {'tile':>4} {'warps':>5} {'splits':>6} {'us':>8} {'GB/s':>6}")
     for B, ctx in ((1, 600), (1, 2000), (8, 1000), (64, 1000), (256, 1000)):
         per = -(-ctx // BS)
@@ -52,7 +57,7 @@ def attention_probe() -> None:
                     fn = lambda: unified_attention(q, k, v, tables, qsl, seq, D**-0.5, max_query_len=1,  # noqa: E731
                                                    tile_n=tile, num_warps=warps, num_splits=splits)
                     try:
-                        ms = triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median")
+                        ms = bench(fn, rep=100, return_mode="median")
                     except Exception as e:  # noqa: BLE001
                         print(f"{B:>4} {ctx:>5} {tile:>4} {warps:>5} {splits:>6} failed: {str(e)[:80]}")
                         continue
@@ -77,7 +82,8 @@ def gemv_probe() -> None:
     # (name, weight [out, in], fused norm?, gate_up?)
     shapes = [("norm+qkv", (qkv_out, hidden), True, False), ("o_proj", (hidden, 16 * 128), False, False),
               ("norm+gate_up+silu", (2 * inter, hidden), True, True), ("down", (hidden, inter), False, False)]
-    print(f"{'proj':<18} {'M':>3} {'torch us':>9} {'best us':>8} {'GB/s':>6} {'block_n':>7} {'block_k':>7}  (per layer)")
+    print(f"{'proj':<18} {'M':>3} {'torch us':>9} {'best us':>8} {'GB/s':>6} {'block_n':>7} {'block_k':>7} {'pdl us':>7}"
+          "  (per layer)")
     for name, (n_out, k_in), norm, gate_up in shapes:
         ws = [torch.randn(n_out, k_in, device=dev, dtype=bf) / k_in**0.5 for _ in range(layers)]
         nw = torch.ones(k_in, device=dev, dtype=bf)
@@ -109,8 +115,16 @@ def gemv_probe() -> None:
                         best = (ms, bn, bk)
             if best is None:
                 continue
+            pdl_ms = float("nan")
+            if torch.cuda.get_device_capability()[0] >= 9:  # the best blocks, launched as programmatic dependents
+                def chained(bn=best[1], bk=best[2]):
+                    for w in ws:
+                        small_batch_linear(x, w, None, nw if norm else None, r if norm else None, 1e-6, gate_up,
+                                           block_n=bn, block_k=bk, pdl=True)
+                pdl_ms = bench(chained) / layers
             gbs = ws[0].numel() * 2 / best[0] / 1e6
-            print(f"{name:<18} {m:>3} {ref_ms * 1e3:>9.1f} {best[0] * 1e3:>8.1f} {gbs:>6.0f} {best[1]:>7} {best[2]:>7}")
+            print(f"{name:<18} {m:>3} {ref_ms * 1e3:>9.1f} {best[0] * 1e3:>8.1f} {gbs:>6.0f} {best[1]:>7} {best[2]:>7}"
+                  f" {pdl_ms * 1e3:>7.1f}")
         del ws
 
 

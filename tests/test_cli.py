@@ -43,13 +43,15 @@ def test_defaults_serve_the_embedded_model_on_localhost():
     engine = out["engine"]
     assert engine["model"] == "smollm2" and out["host"] == "127.0.0.1"
     assert engine["cuda_graph"] and engine["overlap_schedule"] is None and not engine["small_batch_gemv"]
+    assert not engine["pdl"]
     assert engine["kernel_backend"] == "auto" and engine["enable_prefix_caching"]
 
 
 def test_kernel_and_schedule_flags():
-    engine = parse(["--disable-cuda-graph", "--small-batch-gemv", "--overlap-schedule", "on",
+    engine = parse(["--disable-cuda-graph", "--small-batch-gemv", "--pdl", "--overlap-schedule", "on",
                     "--kernel-backend", "triton", "--disable-prefix-caching"])["engine"]
     assert not engine["cuda_graph"] and engine["small_batch_gemv"] and engine["overlap_schedule"] is True
+    assert engine["pdl"]
     assert engine["kernel_backend"] == "triton" and not engine["enable_prefix_caching"]
     assert parse(["--disable-overlap-schedule"])["engine"]["overlap_schedule"] is False
 

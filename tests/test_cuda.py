@@ -204,3 +204,26 @@ def test_small_batch_gemv_matches_hf(models):
     with torch.no_grad():
         want = hf(torch.tensor([ps[5]], device="cuda")).logits[0, -1].float()
     assert ((one_row - want).norm() / want.norm()).item() < (1e-4 if dtype == torch.float32 else 3e-2)
+
+
+def test_pdl_changes_no_bit(models):
+    """Programmatic dependent launch (--pdl, sm_90+) changes only when the small-batch kernels
+    start, not what they compute: the same tokens (greedy and sampled) and bit-identical logits
+    as the small-batch path without it, replaying graphs and eagerly."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    dtype, _, loaded = models
+    ps = prompts()
+    params = [GREEDY, SamplingParams(max_new_tokens=24, temperature=0.8, ignore_eos=True)] * 3
+    for graphs in (True, False):
+        runs = []
+        for pdl in (False, True):
+            eng = make_engine(loaded, dtype, small_batch_gemv=True, pdl=pdl, cuda_graph=graphs)
+            assert eng.runner.model.model.layers[0].pdl == pdl
+            outs = [c.output_ids for c in eng.generate(ps, params)]
+            runs.append((outs, eng.runner.model.compute_logits(_last_hidden(eng, ps[5])).float()))
+            del eng
+            torch.cuda.empty_cache()
+        (plain_outs, plain_logits), (pdl_outs, pdl_logits) = runs
+        assert pdl_outs == plain_outs
+        assert torch.equal(pdl_logits, plain_logits)

@@ -297,11 +297,16 @@ from kernels import triton_attention as ta, triton_ops as to
 target = GPUTarget("cuda", 90, 32)
 
 
-def compile(fn, types, consts):
+def compile(fn, types, consts, pdl=False):
     sig = {n: types.get(n, "i32") for n in fn.arg_names}
+    if "PDL" in fn.arg_names:
+        consts = dict(consts, PDL=pdl)
     sig.update({c: "constexpr" for c in consts})
-    k = triton.compile(ASTSource(fn, sig, consts), target=target)
+    k = triton.compile(ASTSource(fn, sig, consts), target=target, options={"launch_pdl": pdl})
     assert k.asm["cubin"]
+    if pdl:  # waits for the kernel before it, then lets the next one launch (kernels/triton_gemv.py)
+        ptx = k.asm["ptx"]
+        assert k.metadata.launch_pdl and ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
     return k
 
 
@@ -312,12 +317,13 @@ for dt, g, bm, tn in (("bf16", 4, 16, 16), ("bf16", 4, 64, 32), ("fp16", 1, 64, 
     types = dict(q_ptr="*" + dt, k_cache_ptr="*" + dt, v_cache_ptr="*" + dt, out_ptr="*" + dt,
                  block_tables_ptr="*i64", query_start_loc_ptr="*i64", seq_lens_ptr="*i64", qk_scale="fp32",
                  part_acc_ptr="*fp32", part_ml_ptr="*fp32")
-    for splits in (1, 8):
+    for splits, pdl in ((1, False), (8, False), (8, True)):
         k = compile(attn, types, dict(BLOCK_SIZE=16, G=g, G_PAD=g_pad, BLOCK_Q=bq, BLOCK_M=bm, TILE_N=tn,
                                       HEAD_DIM=128, HEAD_PAD=128, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
-                                      NUM_SPLITS=splits))
-    compile(combine, dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr="*" + dt),
-            dict(H=16, NUM_SPLITS=8, HEAD_DIM=128, HEAD_PAD=128))
+                                      NUM_SPLITS=splits), pdl)
+    for pdl in (False, True):
+        compile(combine, dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr="*" + dt),
+                dict(H=16, NUM_SPLITS=8, HEAD_DIM=128, HEAD_PAD=128), pdl)
     if dt != "fp32":
         assert "wgmma" in k.asm["ptx"] or "mma.sync" in k.asm["ptx"], "attention dots must use tensor cores"
 bf = {n: "*bf16" for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "x_ptr", "res_ptr", "w_ptr",
@@ -326,19 +332,25 @@ compile(kv, dict(bf, slot_ptr="*i64"), dict(NUM_HEADS=8, HEAD_DIM=128, HEADS_PAD
 for res in (False, True):
     compile(rms, dict(bf, eps="fp32"), dict(HAS_RESIDUAL=res, BLOCK=4096))
 compile(rot, dict(bf, cos_ptr="*fp32", sin_ptr="*fp32"), dict(NUM_HEADS=32, HALF=64, HEADS_PAD=32, HALF_PAD=64))
-for norm in (False, True):
+for norm, pdl in ((False, False), (True, False), (True, True)):
     compile(qkv, dict(qkv_ptr="*bf16", q_out_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", slot_ptr="*i64",
                       cos_ptr="*fp32", sin_ptr="*fp32", qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32"),
-            dict(H=16, KVH=8, H_PAD=16, KVH_PAD=8, HALF=64, BLOCK_SIZE=16, HAS_NORM=norm))
+            dict(H=16, KVH=8, H_PAD=16, KVH_PAD=8, HALF=64, BLOCK_SIZE=16, HAS_NORM=norm), pdl)
 compile(silu, dict(x_ptr="*bf16", out_ptr="*bf16"), dict(BLOCK=1024))
 from kernels import triton_gemv as tg
 for dt in ("bf16", "fp16"):
     for norm, res, gate_up in ((False, False, False), (True, True, False), (True, True, True), (True, False, False)):
-        k = compile(tg._kernel(), {**{n: "*" + dt for n in ("x_ptr", "res_ptr", "norm_w_ptr", "w_ptr", "bias_ptr",
-                                                             "out_ptr", "res_out_ptr")}, "eps": "fp32"},
-                    dict(HAS_NORM=norm, HAS_RESIDUAL=res, HAS_BIAS=False, GATE_UP=gate_up, BLOCK_M=16, BLOCK_N=16,
-                         BLOCK_K=256, DOT_PRECISION="tf32"))
-        assert "mma" in k.asm["ptx"], "small-batch linear dots must use tensor cores"
+        for pdl in (False, True):
+            k = compile(tg._kernel(), {**{n: "*" + dt for n in ("x_ptr", "res_ptr", "norm_w_ptr", "w_ptr", "bias_ptr",
+                                                                 "out_ptr", "res_out_ptr")}, "eps": "fp32"},
+                        dict(HAS_NORM=norm, HAS_RESIDUAL=res, HAS_BIAS=False, GATE_UP=gate_up, BLOCK_M=16, BLOCK_N=16,
+                             BLOCK_K=256, DOT_PRECISION="tf32", LINE=64, K_LINES=16), pdl)
+            ptx = k.asm["ptx"]
+            assert "mma" in ptx, "small-batch linear dots must use tensor cores"
+            # with PDL: this program's 16 weight rows x 16 lines (x2 for gate|up), prefetched before the wait
+            lines = ptx.count("prefetch.global.L2")
+            assert lines == (0 if not pdl else 4 if gate_up else 2), lines
+            assert not pdl or ptx.rindex("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
 from kernels import triton_sampling as ts
 compile(ts._kernel(), dict(logits_ptr="*bf16", temp_ptr="*fp32", best_val_ptr="*fp32", best_idx_ptr="*i64",
                            seed="i32", vocab="i32", stride_row="i32"), dict(NUM_SLICES=38, BLOCK=4096))

@@ -65,6 +65,7 @@ def _next_pow2(n: int) -> int:
 def _kernels():
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     # The batch size and the block-table width change every step: specialising on them
     # (== 1, % 16) would compile new variants mid-run (tests/test_triton_specialization.py).
@@ -90,7 +91,11 @@ def _kernels():
         HEAD_PAD: tl.constexpr,  # next power of two >= HEAD_DIM
         DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else "tf32"
         NUM_SPLITS: tl.constexpr,  # > 1: this program covers one slice of the keys (flash-decoding)
+        PDL: tl.constexpr,  # launched as a programmatic dependent (kernels/triton_gemv.py): wait first
     ):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -181,7 +186,11 @@ def _kernels():
     def _combine_splits_kernel(
         part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
         H: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         splits = tl.arange(0, NUM_SPLITS)
@@ -248,6 +257,7 @@ def unified_attention(
     max_query_len: int | None = None,
     num_splits: int = 1,
     num_warps: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Paged attention of ``q [T, H, D]`` over the cache; see the module docstring.
 
@@ -263,6 +273,7 @@ def unified_attention(
     this many programs whose partial softmax states are merged by a second kernel
     (flash-decoding); use it when the batch alone does not fill the GPU (small decode batches).
     Static per call site, so CUDA graphs capture it.
+    ``pdl``: launch both kernels as programmatic dependents (sm_90+; kernels/triton_gemv.py).
     """
     T, H, D = q.shape
     _, block_size, KVH, Dk = k_cache.shape
@@ -313,9 +324,11 @@ def unified_attention(
         HEAD_PAD=head_pad,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits,
+        PDL=pdl,
+        launch_pdl=pdl,
         **extra,
     )
     if num_splits > 1:
         combine[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1),
-                        H=H, NUM_SPLITS=num_splits, HEAD_DIM=D, HEAD_PAD=head_pad)
+                        H=H, NUM_SPLITS=num_splits, HEAD_DIM=D, HEAD_PAD=head_pad, PDL=pdl, launch_pdl=pdl)
     return out

@@ -19,6 +19,13 @@ Rounding follows the torch path (``norm.rms_norm_torch``, ``activation.silu_and_
 multiply, the GEMM output is rounded before the SiLU, the SiLU before the multiply by up.
 Accumulation is fp32.
 
+``pdl`` (sm_90+, experimental): programmatic dependent launch. The kernel is launched while
+the previous one (attention, or the previous projection) is still running; since the weights
+do not depend on it, each program first pulls its weight rows into L2, then waits for the
+previous kernel's outputs (``griddepcontrol.wait``) and lets the next kernel launch. So at
+batch 1 the weight stream of one projection overlaps the tail of the kernel before it instead
+of starting after a launch gap. Every read of data another kernel writes comes after the wait.
+
 Import-safe without triton or a GPU: triton is imported lazily on first call.
 """
 
@@ -31,10 +38,15 @@ import torch
 SMALL_BATCH_ROWS = 16  # the most rows one program holds (tl.dot's minimum M)
 
 
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
 @functools.cache
 def _kernel():
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit(do_not_specialize=["M"])
     def _small_batch_linear_kernel(
@@ -44,6 +56,7 @@ def _kernel():
         eps,
         HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PDL: tl.constexpr, LINE: tl.constexpr, K_LINES: tl.constexpr,  # LINE: elements per 128-byte line
     ):
         pid = tl.program_id(0)
         rows = tl.arange(0, BLOCK_M)
@@ -51,6 +64,16 @@ def _kernel():
         ks = tl.arange(0, BLOCK_K)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
+        if PDL:  # weights first (they do not depend on the previous kernel), then wait for it
+            lines = tl.minimum(tl.arange(0, K_LINES) * LINE, K - 1)
+            pf = w_ptr + tl.minimum(cols, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :]
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [pf], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+            if GATE_UP:
+                tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                          [pf + N.to(tl.int64) * stride_wn], dtype=tl.int32, is_pure=False, pack=1)
+            gdc_wait()
+            gdc_launch_dependents()
         ty = x_ptr.dtype.element_ty
         x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
         r_rows = res_ptr + rows[:, None].to(tl.int64) * stride_rm
@@ -114,6 +137,7 @@ def small_batch_linear(
     gate_up: bool = False,
     block_n: int = 16,
     block_k: int = 256,
+    pdl: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K] @ weight.T (+ bias)`` for ``M <= SMALL_BATCH_ROWS``.
 
@@ -121,7 +145,8 @@ def small_batch_linear(
     ``residual``: of ``x``), and the new residual stream is returned too: ``(out, x + residual)``
     (``(out, x)`` without one), like ``RMSNorm(x, residual)`` followed by the projection.
     ``gate_up``: ``weight`` is ``[2N, K]`` (gate rows, then up rows) and the result is
-    ``silu(gate) * up``, ``[M, N]``."""
+    ``silu(gate) * up``, ``[M, N]``. ``pdl``: launch as a programmatic dependent of the
+    previous kernel (CUDA sm_90+ only; see the module docstring)."""
     M, K = x.shape
     assert residual is None or norm_weight is not None, "the residual is added before the norm"
     assert residual is None or residual.shape == x.shape
@@ -143,6 +168,8 @@ def small_batch_linear(
             HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
             GATE_UP=gate_up, BLOCK_M=SMALL_BATCH_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            PDL=pdl, LINE=128 // weight.element_size(), K_LINES=_next_pow2(-(-K * weight.element_size() // 128)),
+            launch_pdl=pdl,
         )
     if norm_weight is None:
         return out

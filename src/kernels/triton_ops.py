@@ -41,6 +41,7 @@ def _next_pow2(n: int) -> int:
 def _kernels():
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def _store_kv_kernel(
@@ -120,7 +121,11 @@ def _kernels():
         eps,
         H: tl.constexpr, KVH: tl.constexpr, H_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
         HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+        PDL: tl.constexpr,  # launched as a programmatic dependent (kernels/triton_gemv.py): wait first
     ):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         dims = tl.arange(0, HALF)
         ty = q_out_ptr.dtype.element_ty
@@ -271,10 +276,11 @@ def qkv_rope_store(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """From the fused projection ``qkv [T, (H + 2 KVH) * D]``: store rope'd (and, with norm
     weights, per-head RMS-normalised) keys and the values at ``slot_mapping`` (-1 skipped);
-    return the rope'd queries ``[T, H, D]``."""
+    return the rope'd queries ``[T, H, D]``. ``pdl``: programmatic dependent launch (sm_90+)."""
     T = qkv.shape[0]
     qkv = qkv.reshape(T, -1)  # a lone row's stride is arbitrary (1 on the CPU): a view with the usual one
     d = k_cache.shape[-1]
@@ -293,7 +299,7 @@ def qkv_rope_store(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         float(eps),
         H=num_heads, KVH=num_kv_heads, H_PAD=_next_pow2(num_heads), KVH_PAD=_next_pow2(num_kv_heads),
-        HALF=d // 2, BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm,
+        HALF=d // 2, BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm, PDL=pdl, launch_pdl=pdl,
     )
     return q
 

@@ -22,6 +22,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # steps of <= 16 tokens run the Triton projections with the norms and SiLU fused
     # (kernels/triton_gemv.py; triton backend only); off until measured faster than cuBLAS
     small_batch_gemv: bool = False
+    # their kernels launch as programmatic dependents (CUDA sm_90+; needs small_batch_gemv):
+    # each pulls its weights into L2 while the previous kernel finishes; off until measured
+    pdl: bool = False
     # launch each step before taking the previous step's tokens; None: on accelerators only
     overlap_schedule: bool | None = None
     seed: int = 0

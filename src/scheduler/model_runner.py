@@ -124,7 +124,7 @@ class ModelRunner:
         self.triton = self._use_triton()
         if config.small_batch_gemv and not self.triton:
             logger.warning("small_batch_gemv needs the Triton kernels (CUDA, or kernel_backend=triton): ignored")
-        self.model.use_triton_kernels(self.triton, small_batch_gemv=config.small_batch_gemv)
+        self.model.use_triton_kernels(self.triton, small_batch_gemv=config.small_batch_gemv, pdl=self._use_pdl())
         self.graphs = None
         self.num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
@@ -174,6 +174,18 @@ class ModelRunner:
             logger.warning("triton is not installed: using the torch kernels on %s", self.device)
             return False
         return True
+
+    def _use_pdl(self) -> bool:
+        """Programmatic dependent launch needs the small-batch kernels on a CUDA sm_90+ GPU."""
+        if not self.config.pdl:
+            return False
+        usable = (
+            self.triton and self.config.small_batch_gemv and self.device.type == "cuda"
+            and torch.cuda.get_device_capability(self.device)[0] >= 9
+        )
+        if not usable:
+            logger.warning("pdl needs --small-batch-gemv on a CUDA GPU of compute capability 9.0 or newer: ignored")
+        return usable
 
     # -- KV cache --------------------------------------------------------------------
     def _bytes_per_token(self) -> int:

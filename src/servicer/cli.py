@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--small-batch-gemv", action="store_true",
                    help="experimental (Triton backend): steps of at most 16 tokens run fused Triton projections "
                    "(RMSNorm and SiLU-mul folded in) instead of cuBLAS; see bench/bench_n256.py")
+    p.add_argument("--pdl", action="store_true",
+                   help="experimental (with --small-batch-gemv, CUDA sm_90+): those kernels launch as programmatic "
+                   "dependents, each pulling its weights into L2 while the kernel before it finishes")
     p.add_argument("--overlap-schedule", choices=["auto", "on", "off"], default="auto",
                    help="launch each step before taking the previous step's tokens, hiding the host's "
                    "bookkeeping behind the device's work: auto = on for accelerators, off on CPU")
@@ -95,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
         kernel_backend=args.kernel_backend,
         cuda_graph=not args.disable_cuda_graph,
         small_batch_gemv=args.small_batch_gemv,
+        pdl=args.pdl,
         overlap_schedule={"auto": None, "on": True, "off": False}[args.overlap_schedule],
         seed=args.seed,
         served_model_name=args.served_model_name,

@@ -99,13 +99,16 @@ class Attention(nn.Module):
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         return self.num_heads, self.num_kv_heads, *rope, kv_cache[0], kv_cache[1], meta.slot_mapping, *norms, self.eps
 
-    def attend(self, rope, qkv: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(
+        self, rope, qkv: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, pdl: bool = False
+    ) -> torch.Tensor:
         """Triton path from the fused projection to the attention output ``[T, H * D]``:
-        q/k norm + rope + KV store in one launch, then paged attention."""
-        q = triton_ops.qkv_rope_store(qkv, *self._qkv_args(rope, kv_cache, meta))
+        q/k norm + rope + KV store in one launch, then paged attention. ``pdl``: both launch
+        as programmatic dependents (kernels/triton_gemv.py)."""
+        q = triton_ops.qkv_rope_store(qkv, *self._qkv_args(rope, kv_cache, meta), pdl=pdl)
         o = triton_attention.unified_attention(
             q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            self.scale, max_query_len=meta.max_query_len, num_splits=meta.num_splits,
+            self.scale, max_query_len=meta.max_query_len, num_splits=meta.num_splits, pdl=pdl,
         )
         return o.view(-1, self.q_size)
 
@@ -130,6 +133,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
         self.small_batch_gemv = False
+        self.pdl = False  # the small-batch kernels launch as programmatic dependents (sm_90+)
 
     def forward(self, rope, x, residual, kv_cache, meta):
         if self.small_batch_gemv and x.shape[0] <= SMALL_BATCH_ROWS:
@@ -147,13 +151,15 @@ class DecoderLayer(nn.Module):
     def _forward_few_rows(self, rope, x, residual, kv_cache, meta):
         """A few rows (small decode batches, Triton): six kernels (seven with split-KV decode
         attention), the norms and the SiLU-mul fused into the projections (kernels/triton_gemv.py)."""
-        attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
-        qkv, residual = small_batch_linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias, ln1.weight, residual, ln1.eps)
-        o = small_batch_linear(attn.attend(rope, qkv, kv_cache, meta), attn.o_proj.weight, attn.o_proj.bias)
-        act, residual = small_batch_linear(
-            o, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, ln2.weight, residual, ln2.eps, gate_up=True
+        attn, mlp, ln1, ln2, pdl = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm, self.pdl
+        qkv, residual = small_batch_linear(
+            x, attn.qkv_proj.weight, attn.qkv_proj.bias, ln1.weight, residual, ln1.eps, pdl=pdl
         )
-        return small_batch_linear(act, mlp.down_proj.weight, mlp.down_proj.bias), residual
+        o = small_batch_linear(attn.attend(rope, qkv, kv_cache, meta, pdl), attn.o_proj.weight, attn.o_proj.bias, pdl=pdl)
+        act, residual = small_batch_linear(
+            o, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, ln2.weight, residual, ln2.eps, gate_up=True, pdl=pdl
+        )
+        return small_batch_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, pdl=pdl), residual
 
 
 class LlamaModel(nn.Module):
@@ -199,15 +205,17 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.model.norm(x, residual)
         return x
 
-    def use_triton_kernels(self, enabled: bool = True, small_batch_gemv: bool = False) -> None:
+    def use_triton_kernels(self, enabled: bool = True, small_batch_gemv: bool = False, pdl: bool = False) -> None:
         """Switch every layer to the Triton kernels (GPUs; the CPU under TRITON_INTERPRET=1).
         They read the varlen metadata (``attention.build_varlen``). ``small_batch_gemv``:
-        steps of at most ``SMALL_BATCH_ROWS`` tokens take the fused projections."""
+        steps of at most ``SMALL_BATCH_ROWS`` tokens take the fused projections; ``pdl``: whose
+        kernels launch as programmatic dependents (CUDA sm_90+ only)."""
         for module in self.modules():
             if hasattr(module, "triton"):
                 module.triton = enabled
             if isinstance(module, DecoderLayer):
                 module.small_batch_gemv = enabled and small_batch_gemv
+                module.pdl = module.small_batch_gemv and pdl
         self.triton = enabled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
