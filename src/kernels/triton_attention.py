@@ -303,6 +303,8 @@ def unified_attention(
     else:
         part_acc = part_ml = out  # unused
     extra = {"num_warps": num_warps} if num_warps else {}
+    pdl_launch = {"launch_pdl": True} if pdl else {}  # only when set: HIP has no such option
+    extra.update(pdl_launch)
     kernel[grid](
         q, k_cache, v_cache, out,
         block_tables, query_start_loc, seq_lens,
@@ -325,10 +327,9 @@ def unified_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits,
         PDL=pdl,
-        launch_pdl=pdl,
         **extra,
     )
     if num_splits > 1:
         combine[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1),
-                        H=H, NUM_SPLITS=num_splits, HEAD_DIM=D, HEAD_PAD=head_pad, PDL=pdl, launch_pdl=pdl)
+                        H=H, NUM_SPLITS=num_splits, HEAD_DIM=D, HEAD_PAD=head_pad, PDL=pdl, **pdl_launch)
     return out

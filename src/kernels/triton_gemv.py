@@ -127,6 +127,14 @@ def _kernel():
     return _small_batch_linear_kernel
 
 
+def _prefetch_lines(k: int, elem_bytes: int, pdl: bool) -> dict:
+    """Constexprs (and the launch option) of the L2 prefetch; constant without PDL, so the
+    projections of different widths share one compiled variant."""
+    if not pdl:  # launch_pdl only when set: backends without the option (HIP) reject it
+        return dict(LINE=1, K_LINES=1)
+    return dict(LINE=128 // elem_bytes, K_LINES=_next_pow2(-(-k * elem_bytes // 128)), launch_pdl=True)
+
+
 def small_batch_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -168,8 +176,7 @@ def small_batch_linear(
             HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
             GATE_UP=gate_up, BLOCK_M=SMALL_BATCH_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            PDL=pdl, LINE=128 // weight.element_size(), K_LINES=_next_pow2(-(-K * weight.element_size() // 128)),
-            launch_pdl=pdl,
+            PDL=pdl, **_prefetch_lines(K, weight.element_size(), pdl),
         )
     if norm_weight is None:
         return out

@@ -299,7 +299,8 @@ def qkv_rope_store(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         float(eps),
         H=num_heads, KVH=num_kv_heads, H_PAD=_next_pow2(num_heads), KVH_PAD=_next_pow2(num_kv_heads),
-        HALF=d // 2, BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm, PDL=pdl, launch_pdl=pdl,
+        HALF=d // 2, BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm, PDL=pdl,
+        **({"launch_pdl": True} if pdl else {}),  # only when set: HIP has no such option
     )
     return q
 

@@ -181,10 +181,10 @@ class ModelRunner:
             return False
         usable = (
             self.triton and self.config.small_batch_gemv and self.device.type == "cuda"
-            and torch.cuda.get_device_capability(self.device)[0] >= 9
+            and torch.version.hip is None and torch.cuda.get_device_capability(self.device)[0] >= 9
         )
         if not usable:
-            logger.warning("pdl needs --small-batch-gemv on a CUDA GPU of compute capability 9.0 or newer: ignored")
+            logger.warning("pdl needs --small-batch-gemv on an NVIDIA GPU of compute capability 9.0 or newer: ignored")
         return usable
 
     # -- KV cache --------------------------------------------------------------------
