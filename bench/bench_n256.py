@@ -221,7 +221,11 @@ def main() -> None:
         torch.cuda.empty_cache()
     result = {"gpu": gpu, "torch": torch.__version__, "n256_engine": n256}
     for key, gemv, pdl in BATCH1_VARIANTS:
-        batch1 = run_batch1(loaded, args, small_batch_gemv=gemv, pdl=pdl)
+        try:
+            batch1 = run_batch1(loaded, args, small_batch_gemv=gemv, pdl=pdl)
+        except Exception as e:  # noqa: BLE001  (an experimental variant must not cost the run's other numbers)
+            result[key] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            continue
         floor_ms = 1e3 * batch1["weight_bytes"] / bw
         batch1.update(copy_bandwidth_gbs=bw / 1e9, hbm_floor_ms=floor_ms,
                       engine_step_x_floor=batch1["engine_step_ms"] / floor_ms)
@@ -247,6 +251,9 @@ def main() -> None:
               "batch1_small_batch_gemv_pdl": "fused GEMVs, programmatic dependent launch"}
     for key, _, _ in BATCH1_VARIANTS:
         label, b1 = labels[key], result[key]
+        if "error" in b1:
+            print(f"batch 1 ({label}): failed: {b1['error']}")
+            continue
         print(f"batch 1 ({label}): engine step {b1['engine_step_ms']:.3f} ms, forward+LM head "
               f"{b1.get('forward_lm_head_ms', float('nan')):.3f} ms, HBM floor {b1['hbm_floor_ms']:.3f} ms "
               f"({b1['weight_bytes'] / 1e9:.2f} GB weights): {b1['engine_step_x_floor']:.2f}x / "

@@ -121,7 +121,10 @@ def gemv_probe() -> None:
                     for w in ws:
                         small_batch_linear(x, w, None, nw if norm else None, r if norm else None, 1e-6, gate_up,
                                            block_n=bn, block_k=bk, pdl=True)
-                pdl_ms = bench(chained) / layers
+                try:
+                    pdl_ms = bench(chained) / layers
+                except Exception as e:  # noqa: BLE001
+                    print(f"{name:<18} {m:>3} pdl failed: {str(e)[:120]}")
             gbs = ws[0].numel() * 2 / best[0] / 1e6
             print(f"{name:<18} {m:>3} {ref_ms * 1e3:>9.1f} {best[0] * 1e3:>8.1f} {gbs:>6.0f} {best[1]:>7} {best[2]:>7}"
                   f" {pdl_ms * 1e3:>7.1f}")
