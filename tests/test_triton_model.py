@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
@@ -106,6 +107,18 @@ def test_triton_backend_generates_like_torch_backend(family):
         assert second[0].num_cached_tokens == 32
         runs[backend] = [c.output_ids for c in first + second]
     assert runs["triton"] == runs["torch"] == runs["triton+gemv"]
+
+
+def test_pdl_is_refused_without_a_hopper_gpu(caplog):
+    """--pdl needs sm_90+ (griddepcontrol): elsewhere it is refused with a warning, and the
+    small-batch kernels launch as usual."""
+    config = EngineConfig(model="random", device="cpu", kernel_backend="triton", kv_cache_tokens=256,
+                          num_threads=1, small_batch_gemv=True, pdl=True)
+    with caplog.at_level(logging.WARNING):
+        runner = ModelRunner(config, tiny_model("qwen3"))
+    layers = runner.model.model.layers
+    assert layers[0].small_batch_gemv and not any(layer.pdl for layer in layers)
+    assert "pdl needs" in caplog.text
 
 
 # -- CUDA-graph bookkeeping ----------------------------------------------------------------
