@@ -67,11 +67,9 @@ def _kernel():
         if PDL:  # weights first (they do not depend on the previous kernel), then wait for it
             lines = tl.minimum(tl.arange(0, K_LINES) * LINE, K - 1)
             pf = w_ptr + tl.minimum(cols, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :]
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [pf], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-            if GATE_UP:
+            for half in tl.static_range(2 if GATE_UP else 1):  # gate|up: the up rows too, N rows on
                 tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                          [pf + N.to(tl.int64) * stride_wn], dtype=tl.int32, is_pure=False, pack=1)
+                                          [pf + half * N.to(tl.int64) * stride_wn], dtype=tl.int32, is_pure=False, pack=1)
             gdc_wait()
             gdc_launch_dependents()
         ty = x_ptr.dtype.element_ty
