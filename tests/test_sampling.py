@@ -358,6 +358,14 @@ def test_stop_string_respects_min_new_tokens():
     assert "".join(map(chr, req.visible_output_ids)) == "ab "
 
 
+def test_stop_match_ignored_under_min_new_tokens_is_never_found_again():
+    # "ab" completes at token 2, under min_new_tokens, and is streamed; a longer stop string
+    # must not widen the search back onto it (that would trim tokens already sent).
+    req, safe = feed_all("abqrs", ["ab", "wxyz"], min_new=3)
+    assert not req.is_finished
+    assert safe == sorted(safe) and "".join(map(chr, req.visible_output_ids)) == "abqrs"
+
+
 # -- cost ---------------------------------------------------------------------------------------------
 
 
@@ -416,3 +424,27 @@ def test_bitmask_torch_path_matches_xgrammar():
     assert torch.equal(a, b) and torch.equal(a[1], logits[1])
     bit = lambda row, t: (int(bitmask[row, t // 32]) >> (t % 32)) & 1  # noqa: E731
     assert all((a[0, t] == float("-inf")) == (bit(0, t) == 0) for t in range(V))
+
+
+class OnlyAllows:
+    """A grammar stand-in whose next token must be one of ``ids``."""
+
+    def __init__(self, *ids):
+        self.ids = ids
+
+    def fill_next_token_bitmask(self, bitmask, row):
+        bitmask[row] = 0
+        for t in self.ids:
+            bitmask[row, t // 32] |= 1 << (t % 32)
+
+
+def test_min_new_tokens_yields_to_a_grammar_that_can_only_end():
+    pytest.importorskip("xgrammar")
+    ended, open_ = (make_req([5, 6], rid=r, temperature=0.0, min_new_tokens=4) for r in "ab")
+    ended.grammar, open_.grammar = OnlyAllows(EOS), OnlyAllows(EOS, 7)
+    params = sampler().build([ended, open_])
+    rows, cols = params.banned
+    assert rows.tolist() == [1] and cols.tolist() == [EOS]  # only the row that has a choice
+    logits = logits_of(2)
+    logits[:, EOS] = -5.0  # EOS is not the argmax
+    assert sample(logits, params).tolist() == [EOS, 7]

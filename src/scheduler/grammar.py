@@ -16,6 +16,8 @@ import os
 import re
 import threading
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
 KINDS = ("json_schema", "regex", "ebnf_grammar", "structural_tag")
@@ -104,3 +106,12 @@ def allocate_bitmask(rows: int, vocab_size: int):
     import xgrammar as xgr
 
     return xgr.allocate_token_bitmask(rows, vocab_size)
+
+
+def allows_only(bitmask, row: int, token_ids) -> bool:
+    """Whether bitmask row ``row`` allows no token outside ``token_ids``."""
+    words = bitmask[row].numpy().view(np.uint32).copy()
+    for t in token_ids:
+        if t >> 5 < len(words):
+            words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFF_FFFF)
+    return not words.any()

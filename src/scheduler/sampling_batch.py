@@ -120,7 +120,7 @@ class BatchSampler:
         temperature, top_p, top_k, min_p = [], [], [], []
         pen_rows, rep, freq, pres, out_tokens, prompt_tokens = [], [], [], [], [], []
         bias_rows, bias_cols, bias_vals = [], [], []
-        ban_rows, ban_cols = [], []
+        ban_rows = []  # rows whose stop ids min_new_tokens bans
         seeded, grammar_rows = [], []
         any_min_p = False
         for i, req in enumerate(reqs):
@@ -144,9 +144,7 @@ class BatchSampler:
                     bias_cols.append(tok)
                     bias_vals.append(val)
             if req.num_output_tokens + req.num_pending < sp.min_new_tokens and req.stop_ids:
-                for tok in req.stop_ids:
-                    ban_rows.append(i)
-                    ban_cols.append(tok)
+                ban_rows.append(i)
             if sp.seed is not None and not sp.greedy:
                 st = _state(req)
                 if st.generator is None:  # on the CPU: it draws one number per row and round
@@ -168,13 +166,16 @@ class BatchSampler:
                 return SamplingTensors.temperature_only(len(reqs), self.upload(temps))
         extra = {}
         if grammar_rows:
-            from .grammar import allocate_bitmask
+            from .grammar import allocate_bitmask, allows_only
 
             bitmask = allocate_bitmask(len(reqs), vocab)  # all ones: unconstrained rows keep everything
             for i in grammar_rows:
                 reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
             extra["allowed_bitmask"] = bitmask.to(dev)
             extra["bitmask_rows"] = grammar_rows
+            # A grammar that can only end now wins over min_new_tokens (banning its stop
+            # tokens too would leave the row nothing to sample).
+            ban_rows = [i for i in ban_rows if reqs[i].grammar is None or not allows_only(bitmask, i, reqs[i].stop_ids)]
         if pen_rows:
             extra["penalties"] = Penalties.build(pen_rows, rep, freq, pres, out_tokens, prompt_tokens, vocab, dev)
         if bias_rows:
@@ -184,10 +185,8 @@ class BatchSampler:
                 torch.tensor(bias_vals, dtype=torch.float32, device=dev),
             )
         if ban_rows:
-            extra["banned"] = (
-                torch.tensor(ban_rows, dtype=torch.int64, device=dev),
-                torch.tensor(ban_cols, dtype=torch.int64, device=dev),
-            )
+            banned = [(i, tok) for i in ban_rows for tok in reqs[i].stop_ids]  # (row, token) pairs
+            extra["banned"] = tuple(torch.tensor(col, dtype=torch.int64, device=dev) for col in zip(*banned))
         return SamplingTensors.build(
             temperature, top_p, top_k, dev, min_p=min_p if any_min_p else None, seeded=seeded, vocab=vocab, **extra
         )

@@ -46,7 +46,6 @@ class StopStringChecker:
     def __init__(self, tokenizer, stops: list[str], prompt_ids: list[int], trim: bool = True):
         self.tokenizer = tokenizer
         self.stops = [s for s in stops if s]
-        self.max_len = max((len(s) for s in self.stops), default=0)
         self.trim = trim
         self.ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])  # context, then the output
         self.prefix_offset = 0
@@ -72,11 +71,11 @@ class StopStringChecker:
         for i in range(self.num_decoded, len(self.ends)):  # pending tokens complete together
             self.ends[i] = len(self.text)
         self.num_decoded = len(self.ends)
-        # A new match must end in the new text: search from max_len - 1 characters before it.
-        lo = max(0, before - self.max_len + 1)
+        # A new match must end in the new text: search each stop from len - 1 characters
+        # before it. (An older match, ignored under min_new_tokens, is never found again.)
         best = None
         for stop in self.stops:
-            pos = self.text.find(stop, lo)
+            pos = self.text.find(stop, max(0, before - len(stop) + 1))
             if pos != -1 and (best is None or pos < best[1]):
                 best = (stop, pos)
         if best is None:
