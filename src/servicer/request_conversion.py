@@ -90,7 +90,7 @@ def to_add_request(request, model_info: dict) -> AddRequest:
         raise InvalidRequest("request_id is empty")
     input_ids = list(request.tokenized.input_ids)
     if not input_ids:
-        raise InvalidRequest("tokenized.input_ids is empty: send the prompt as token ids")
+        raise InvalidRequest("the prompt is empty (tokenized.input_ids has 0 tokens)")
     vocab = model_info["vocab_size"]
     bad = next((t for t in input_ids if t >= vocab), None)
     if bad is not None:
