@@ -357,6 +357,58 @@ def test_daemon_healthy_after_bad_inputs(grpc_stub, story):
     assert wait_idle(grpc_stub) == 0
 
 
+def _with(field, value):
+    """A request tweak: set one GenerateRequest (or sampling_params.X) field."""
+    def tweak(req):
+        obj, name = (req.sampling_params, field[3:]) if field.startswith("sp.") else (req, field)
+        if name == "seed":
+            obj.custom_params.update({"seed": value})
+        else:
+            setattr(obj, name, value)
+    return tweak
+
+
+UNSERVABLE = {  # fields the daemon cannot honour, or asks too much of: (tweak, status)
+    "lora_adapter": (_with("lora_id", "my-adapter"), grpc.StatusCode.NOT_FOUND),
+    "data_parallel_rank_1": (_with("data_parallel_rank", 1), grpc.StatusCode.INVALID_ARGUMENT),
+    "hidden_states": (_with("return_hidden_states", True), grpc.StatusCode.INVALID_ARGUMENT),
+    "n_over_limit": (_with("sp.n", 1025), grpc.StatusCode.INVALID_ARGUMENT),
+    "top_logprobs_over_limit": (lambda r: (_with("return_logprob", True)(r), _with("top_logprobs_num", 21)(r)),
+                                grpc.StatusCode.INVALID_ARGUMENT),
+    "nan_repetition_penalty": (_with("sp.repetition_penalty", float("nan")), grpc.StatusCode.INVALID_ARGUMENT),
+    "seed_over_64_bits": (_with("sp.seed", 1e20), grpc.StatusCode.INVALID_ARGUMENT),
+    "fractional_seed": (_with("sp.seed", 1.5), grpc.StatusCode.INVALID_ARGUMENT),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNSERVABLE))
+def test_unservable_request_gets_a_precise_status(grpc_stub, story, case):
+    tweak, code = UNSERVABLE[case]
+    req = make_request(story, max_new_tokens=2)
+    tweak(req)
+    with pytest.raises(grpc.RpcError) as ei:
+        generate(grpc_stub, req, timeout=30)
+    assert ei.value.code() == code, (ei.value.code(), ei.value.details())
+
+
+@pytest.mark.parametrize("first_n,second", [(2, "{rid}-n0"), (1, None)])
+def test_an_id_clashing_with_a_sequence_id_in_flight_is_refused(grpc_stub, story, first_n, second):
+    """n > 1 runs its sequences as "<id>-n<i>": a caller's id equal to one of them (or an
+    n > 1 call whose sequence ids equal a caller's id) must not cross their outputs."""
+    rid = f"clash-{uuid.uuid4().hex[:8]}"
+    first = make_request(story, max_new_tokens=24, rid=rid if first_n == 2 else f"{rid}-n0",
+                         stream=True, ignore_eos=True, n=first_n)
+    call = grpc_stub.Generate(first, timeout=RPC_TIMEOUT)
+    next(call)  # in flight now
+    clash = make_request(story, max_new_tokens=2, rid=second.format(rid=rid) if second else rid, n=3 - first_n)
+    with pytest.raises(grpc.RpcError) as ei:
+        generate(grpc_stub, clash, timeout=30)
+    assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS, (ei.value.code(), ei.value.details())
+    completes = [m.complete for m in call if m.WhichOneof("response") == "complete"]
+    assert len(completes) == first_n and all(c.finish_reason == "length" for c in completes)
+    assert wait_idle(grpc_stub) == 0
+
+
 # ------------------------------------------------------------------ abort / cancel
 
 

@@ -106,6 +106,9 @@ def test_logit_bias_forces_a_token(grpc_stub, story):
     sp = sampling(max_new_tokens=6, ignore_eos=True)
     sp.logit_bias["1234"] = 100.0
     assert sample_ids(grpc_stub, story, sp) == [forced] * 6  # greedy too
+    sp = sampling(max_new_tokens=6, temperature=1.0, ignore_eos=True)
+    sp.logit_bias["1234"] = float("inf")  # clamped to 100, as vLLM does (not inf - inf = NaN)
+    assert sample_ids(grpc_stub, story, sp) == [forced] * 6
 
 
 def test_bad_logit_bias_is_invalid_argument(grpc_stub, story):

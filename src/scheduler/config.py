@@ -28,6 +28,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # launch each step before taking the previous step's tokens; None: on accelerators only
     overlap_schedule: bool | None = None
     seed: int = 0
+    max_logprobs: int = 20  # most logprobs per token a request may ask for (as vLLM's default)
     served_model_name: str | None = None
 
 

@@ -62,7 +62,6 @@ class AddRequest(msgspec.Struct, tag=True):
     sampling: SamplingParams
     arrival_time: float = 0.0
     cache_salt: str = ""  # requests share cached KV only when their salts are equal
-    lora_id: str = ""  # adapter id: KV computed under another adapter is not reusable
 
 
 class AbortRequest(msgspec.Struct, tag=True):

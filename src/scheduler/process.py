@@ -80,6 +80,7 @@ def model_info(engine, config: EngineConfig) -> dict:
         "architectures": [mc.architecture],
         "max_total_num_tokens": engine.kv.capacity_tokens,
         "max_running_requests": config.max_running_requests,
+        "max_logprobs": config.max_logprobs,
         "max_num_batched_tokens": runner.max_num_batched_tokens,
         "block_size": config.block_size,
         "device": str(runner.device),
@@ -221,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     config = msgspec.json.decode(args.config, type=EngineConfig)
 
     ctx = zmq.Context()
+    ctx.setsockopt(zmq.SNDHWM, 0)  # never block the step loop on a full pipe (or drop)
+    ctx.setsockopt(zmq.RCVHWM, 0)
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(args.inbox)
     outbox = ctx.socket(zmq.PUSH)

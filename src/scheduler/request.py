@@ -75,7 +75,7 @@ class Request:
             frozenset() if sampling.ignore_eos else eos_token_ids
         )
         self.arrival_time = arrival_time
-        self.hash_extra = hash_extra  # extra prefix-cache keys (cache salt, adapter)
+        self.hash_extra = hash_extra  # extra prefix-cache key (the cache salt)
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)

@@ -99,9 +99,7 @@ class Scheduler:
                 "INVALID_ARGUMENT",
                 f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the whole KV cache ({capacity} tokens)",
             )
-        # length-prefixed, so that no two (salt, adapter) pairs give the same key
-        salt, lora = msg.cache_salt, msg.lora_id
-        extra = f"{len(salt)}:{salt}{lora}".encode() if (salt or lora) else b""
+        extra = msg.cache_salt.encode()
         req = Request(msg.request_id, msg.input_ids, msg.sampling, max_new, self.eos_token_ids, msg.arrival_time, extra)
         self.requests[req.request_id] = req
         self.waiting.append(req)

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "bookkeeping behind the device's work: auto = on for accelerators, off on CPU")
     p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_const", const="off",
                    help="same as --overlap-schedule off (SGLang's spelling)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs per token a request may ask for (top_logprobs_num, token_ids_logprob)")
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler's default generator")
     p.add_argument("--shutdown-grace-period", type=float, default=30.0,
@@ -80,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
             parse_memory_size(args.kv_cache_memory)
         except ValueError as e:
             parser.error(str(e))
+    if args.max_logprobs < 0:
+        parser.error("--max-logprobs must be at least 0")
     for name in ("max_running_requests", "max_num_batched_tokens", "block_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -101,6 +105,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
         pdl=args.pdl,
         overlap_schedule={"auto": None, "on": True, "off": False}[args.overlap_schedule],
         seed=args.seed,
+        max_logprobs=args.max_logprobs,
         served_model_name=args.served_model_name,
     )
     server = ServerConfig(

@@ -12,8 +12,16 @@ import time
 from scheduler.messages import AddRequest, SamplingParams
 
 
+MAX_N = 1024  # sequences per Generate call (OpenAI allows 128)
+MAX_SEED = 2**64  # seeds are 64-bit; negative ones wrap
+
+
 class InvalidRequest(ValueError):
-    """The request can never be served as sent: INVALID_ARGUMENT with this message."""
+    """The request can never be served as sent: INVALID_ARGUMENT (or ``code``) with this message."""
+
+    def __init__(self, message: str, code: str = "INVALID_ARGUMENT"):
+        super().__init__(message)
+        self.code = code
 
 
 def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
@@ -22,7 +30,9 @@ def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
     top_p = sp.top_p if sp.top_p != 0 else 1.0
     top_k = sp.top_k if sp.top_k > 0 else -1
     repetition_penalty = sp.repetition_penalty if sp.repetition_penalty != 0 else 1.0
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("min_p", sp.min_p)):
+    for name, value in (
+        ("temperature", temperature), ("top_p", top_p), ("min_p", sp.min_p), ("repetition_penalty", repetition_penalty)
+    ):
         if math.isnan(value) or math.isinf(value):
             raise InvalidRequest(f"sampling_params.{name} must be a finite number, got {value}")
     if temperature < 0:
@@ -44,10 +54,15 @@ def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
         raise InvalidRequest("sampling_params.max_new_tokens must be at least 1")
     seed = None
     if sp.HasField("custom_params") and "seed" in sp.custom_params.fields:
-        value = sp.custom_params.fields["seed"].number_value
-        if math.isnan(value) or math.isinf(value):
-            raise InvalidRequest(f"custom_params.seed must be an integer, got {value}")
-        seed = int(value)
+        value = sp.custom_params.fields["seed"]
+        number = value.number_value
+        kind = value.WhichOneof("kind")
+        if kind != "number_value" or not math.isfinite(number) or number != int(number):
+            shown = number if kind == "number_value" else f"a {kind.removesuffix('_value')}"
+            raise InvalidRequest(f"custom_params.seed must be an integer, got {shown}")
+        if not -MAX_SEED // 2 <= number < MAX_SEED:
+            raise InvalidRequest(f"custom_params.seed must fit in 64 bits, got {number:.0f}")
+        seed = int(number) % MAX_SEED
     logit_bias = {}
     for key, value in sp.logit_bias.items():
         try:
@@ -58,7 +73,7 @@ def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
             raise InvalidRequest(f"sampling_params.logit_bias token id {token} is outside the vocabulary")
         if math.isnan(value):
             raise InvalidRequest(f"sampling_params.logit_bias[{key}] is NaN")
-        logit_bias[token] = float(value)
+        logit_bias[token] = min(max(float(value), -100.0), 100.0)  # OpenAI's range, as vLLM clamps
     constraint_kind = sp.WhichOneof("constraint") or ""
     constraint = getattr(sp, constraint_kind) if constraint_kind else ""
     if constraint_kind and not constraint.strip():
@@ -84,10 +99,32 @@ def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
     )
 
 
+def reject_unsupported(request) -> None:
+    """Fields this server cannot honour: an error rather than a silently different answer."""
+    if request.lora_id:
+        raise InvalidRequest(f"LoRA adapter {request.lora_id!r} is not loaded (this server serves the base model only)",
+                             "NOT_FOUND")
+    if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
+        raise InvalidRequest(f"data_parallel_rank {request.data_parallel_rank} does not exist (one rank: 0)")
+    unsupported = {
+        "mm_inputs": request.HasField("mm_inputs"),
+        "input_embeds": len(request.input_embeds) > 0,
+        "return_hidden_states": request.return_hidden_states,
+        "custom_logit_processor": bool(request.custom_logit_processor),
+        "disaggregated_params": request.HasField("disaggregated_params"),
+    }
+    for name, present in unsupported.items():
+        if present:
+            raise InvalidRequest(f"{name} is not supported by this server (text-only, one engine)")
+
+
 def to_add_request(request, model_info: dict) -> AddRequest:
     """Validate a GenerateRequest against the model and build the scheduler message."""
     if not request.request_id:
         raise InvalidRequest("request_id is empty")
+    reject_unsupported(request)
+    if request.sampling_params.n > MAX_N:
+        raise InvalidRequest(f"sampling_params.n must be at most {MAX_N}, got {request.sampling_params.n}")
     input_ids = list(request.tokenized.input_ids)
     if not input_ids:
         raise InvalidRequest("the prompt is empty (tokenized.input_ids has 0 tokens)")
@@ -102,6 +139,12 @@ def to_add_request(request, model_info: dict) -> AddRequest:
     if request.return_logprob:
         if request.top_logprobs_num < 0:
             raise InvalidRequest(f"top_logprobs_num must be >= 0, got {request.top_logprobs_num}")
+        max_logprobs = model_info["max_logprobs"]
+        for name, count in (("top_logprobs_num", request.top_logprobs_num),
+                            ("token_ids_logprob", len(request.token_ids_logprob))):
+            if count > max_logprobs:
+                raise InvalidRequest(f"{name} asks for {count} logprobs per token; the most is {max_logprobs} "
+                                     "(--max-logprobs)")
         bad = next((t for t in request.token_ids_logprob if t >= vocab), None)
         if bad is not None:
             raise InvalidRequest(f"token_ids_logprob id {bad} is outside the vocabulary (size {vocab})")
@@ -116,4 +159,4 @@ def to_add_request(request, model_info: dict) -> AddRequest:
     sp = request.sampling_params
     if sp.HasField("custom_params") and "cache_salt" in sp.custom_params.fields:
         salt = sp.custom_params.fields["cache_salt"].string_value
-    return AddRequest(request.request_id, input_ids, sampling, time.time(), cache_salt=salt, lora_id=request.lora_id)
+    return AddRequest(request.request_id, input_ids, sampling, time.time(), cache_salt=salt)

@@ -54,6 +54,10 @@ class SchedulerClient:
         self.config = config
         self.log_level = log_level
         self.ctx = zmq.asyncio.Context()
+        # No high-water marks: past one, pyzmq queues un-awaited sends at O(n) each (a burst
+        # of n=10k children stalled the loop for seconds) and aborts wait behind them.
+        self.ctx.setsockopt(zmq.SNDHWM, 0)
+        self.ctx.setsockopt(zmq.RCVHWM, 0)
         ipc_dir = tempfile.mkdtemp(prefix="servicer-")
         tag = uuid.uuid4().hex[:8]
         self.inbox_addr = f"ipc://{ipc_dir}/to-scheduler-{tag}"
@@ -187,11 +191,16 @@ class SchedulerClient:
     def num_in_flight(self) -> int:
         return len(self._requests)
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
     def submit(self, msg: AddRequest, queue: asyncio.Queue) -> None:
         """Send a request; its outputs (RequestOutput, or an exception) arrive on ``queue``,
         which several requests may share (the n sequences of one call)."""
         if not self.alive:
             raise SchedulerUnavailable(self.dead_reason or "the scheduler is not ready")
+        if msg.request_id in self._requests:  # the caller checks; never reroute another's outputs
+            raise ValueError(f"request id {msg.request_id!r} is already in flight")
         self._requests[msg.request_id] = queue
         self.to_scheduler.send(to_scheduler_encoder.encode(msg))
 

@@ -20,7 +20,7 @@ from .generated import sglang_scheduler_pb2 as pb
 from .generated import sglang_scheduler_pb2_grpc as pb_grpc
 from .health import HealthState
 from .kv_events import KvEventHub
-from .request_conversion import InvalidRequest, to_add_request
+from .request_conversion import MAX_SEED, InvalidRequest, to_add_request
 from .scheduler_client import SchedulerClient, SchedulerUnavailable
 from .tokenizer_bundle import build_bundle, chunks
 
@@ -93,12 +93,14 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         try:
             base = to_add_request(request, self.info)
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(getattr(grpc.StatusCode, e.code), str(e))
         rid = request.request_id
-        if rid in self.children:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
         n = max(request.sampling_params.n, 1)
         ids = [rid] if n == 1 else [f"{rid}-n{i}" for i in range(n)]
+        # n > 1 names its sequences "<id>-n<i>": no id of this call may clash with one in
+        # flight, whether a caller's id or a sequence's (a clash would cross their outputs).
+        if any(x in self.children or self.client.has_request(x) for x in (rid, *ids)):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
         choices = {cid: _Choice(i, base.sampling.return_logprob) for i, cid in enumerate(ids)}
         sp = request.sampling_params
         # stream_interval: a chunk every N tokens (the first chunk of a choice goes out at once)
@@ -110,7 +112,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             for i, cid in enumerate(ids):
                 child = msgspec.structs.replace(base, request_id=cid)
                 if i and base.sampling.seed is not None:  # n seeded samples must differ, reproducibly
-                    child.sampling = msgspec.structs.replace(base.sampling, seed=base.sampling.seed + i)
+                    child.sampling = msgspec.structs.replace(base.sampling, seed=(base.sampling.seed + i) % MAX_SEED)
                 self.client.submit(child, queue)
             remaining = n
             while remaining:
@@ -236,7 +238,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             eos_token_ids=i["eos_token_ids"],
             pad_token_id=i["pad_token_id"],
             bos_token_id=i["bos_token_id"],
-            max_req_input_len=i["max_context_length"] - 1,
+            max_req_input_len=min(i["max_context_length"], i["max_total_num_tokens"]) - 1,
             architectures=i["architectures"],
         )
 
