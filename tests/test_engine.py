@@ -88,3 +88,56 @@ def test_generation_throughput_over_a_sliding_window(loaded, monkeypatch):
         engine.refresh_load()
     assert engine.stats.recent_tokens_sum == 70 == sum(n for _, n in engine.stats.recent_tokens)
     assert engine.load.gen_throughput == pytest.approx(70 / 4.5)
+
+
+def test_a_compiling_grammar_holds_only_its_own_request(loaded, reference, monkeypatch):
+    """Grammar compilation runs beside the step loop: other requests keep stepping while it
+    is stuck, the held request starts once it is done, and an abort or a failure while it
+    compiles leaves nothing behind."""
+    import threading
+
+    from scheduler import engine as engine_mod
+    from scheduler.messages import AddRequest
+    from scheduler.scheduler import AdmissionError
+
+    gate = threading.Event()
+    real = engine_mod._compile_grammar
+
+    def gated(*args):
+        gate.wait(60)
+        if args[-1] == "(":
+            raise AdmissionError("INVALID_ARGUMENT", "invalid regex")
+        return real(*args)
+
+    monkeypatch.setattr(engine_mod, "_compile_grammar", gated)
+    engine = make_engine(loaded)
+    regex = SamplingParams(temperature=0.0, max_new_tokens=8, constraint_kind="regex", constraint="(yes|no)!")
+    bad = SamplingParams(temperature=0.0, max_new_tokens=8, constraint_kind="regex", constraint="(")
+    engine.add_request(AddRequest("plain", prompts(1)[0], GREEDY))
+    engine.add_request(AddRequest("constrained", prompts(2)[1], regex))
+    engine.add_request(AddRequest("aborted", prompts(3)[2], regex))
+    engine.add_request(AddRequest("invalid", prompts(4)[3], bad))
+    assert engine.abort("aborted")
+    tokens, finish, errors = {}, {}, {}
+
+    def step():
+        for o in engine.step().outputs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            finish[o.request_id] = o.finish_reason
+            if o.error:
+                errors[o.request_id] = (o.error_code, o.error)
+
+    while finish.get("plain") is None:  # the plain request runs to its end meanwhile
+        step()
+    assert tokens["plain"] == reference[0] and "constrained" not in tokens and engine.has_work()
+    gate.set()
+    while engine.has_work():
+        step()
+    assert finish["aborted"] == "abort" and not tokens["aborted"]
+    assert errors == {"invalid": ("INVALID_ARGUMENT", "invalid regex")}
+    from scheduler.stop_strings import load_tokenizer
+
+    *text, end = tokens["constrained"]
+    assert finish["constrained"] == "stop" and end in engine.scheduler.eos_token_ids
+    assert load_tokenizer(engine.runner.model_path).decode(text) in ("yes!", "no!")
+    assert_no_leak(engine)

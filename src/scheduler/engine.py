@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
@@ -31,6 +32,7 @@ class EngineStats:
     recent_tokens_sum: int = 0  # kept with the deque: summing it every step costs O(steps/s)
 
 THROUGHPUT_WINDOW_S = 5.0
+GRAMMAR_WAIT_S = 0.005  # an engine with nothing but compiling grammars waits this long per step
 
 
 def _needs_host_tokens(req: Request) -> bool:
@@ -41,6 +43,18 @@ def _needs_host_tokens(req: Request) -> bool:
         or req.output_logprobs is not None  # recorded in step with the tokens
         or req.needs_input_logprobs
     )
+
+
+def _compile_grammar(model_path: str, vocab_size: int, eos_ids: list[int], kind: str, spec: str):
+    """On a worker thread (xgrammar compiles without the GIL): the request's matcher."""
+    from .grammar import GrammarBackend, GrammarError
+
+    try:
+        return GrammarBackend.get(model_path, vocab_size, eos_ids).matcher(kind, spec)
+    except GrammarError as e:
+        raise AdmissionError("INVALID_ARGUMENT", str(e)) from e
+    except Exception as e:  # noqa: BLE001  (no xgrammar / tokenizer)
+        raise AdmissionError("FAILED_PRECONDITION", f"structured output is unavailable: {e}") from e
 
 
 @dataclass
@@ -75,6 +89,10 @@ class Engine:
         # that would do the bookkeeping: nothing to overlap, and outputs would lag a step).
         self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.runner.device.type != "cpu"
         self.inflight: LaunchedStep | None = None  # launched, tokens not yet taken
+        # Requests held while their grammar compiles: that can take seconds (the first one
+        # also builds the vocabulary's tables), so it runs beside the step loop, not in it.
+        self.compiling: dict[str, tuple[Request, Future]] = {}
+        self._grammar_threads: ThreadPoolExecutor | None = None
         logger.info("overlap schedule: %s", "on" if self.overlap else "off")
         self.load = LoadSnapshot(max_total_num_tokens=self.kv.capacity_tokens)
 
@@ -90,30 +108,38 @@ class Engine:
             except Exception as e:  # noqa: BLE001  (no tokenizer: refuse rather than ignore the stops)
                 raise AdmissionError("FAILED_PRECONDITION", f"stop strings need the tokenizer: {e}") from e
             checker = StopStringChecker(tokenizer, msg.sampling.stop, msg.input_ids, trim=not msg.sampling.no_stop_trim)
-        grammar = None
-        if msg.sampling.constraint_kind:
-            from .grammar import GrammarBackend, GrammarError
-
-            try:
-                backend = GrammarBackend.get(
-                    self.runner.model_path, self.runner.model_config.vocab_size, sorted(self.scheduler.eos_token_ids)
-                )
-                grammar = backend.matcher(msg.sampling.constraint_kind, msg.sampling.constraint)
-            except GrammarError as e:
-                raise AdmissionError("INVALID_ARGUMENT", str(e)) from e
-            except Exception as e:  # noqa: BLE001  (no xgrammar / tokenizer)
-                raise AdmissionError("FAILED_PRECONDITION", f"structured output is unavailable: {e}") from e
-        req = self.scheduler.add_request(msg)
+        sp = msg.sampling
+        req = self.scheduler.add_request(msg, hold=bool(sp.constraint_kind))
         req.stop_checker = checker
-        req.grammar = grammar
+        if sp.constraint_kind:
+            if self._grammar_threads is None:
+                self._grammar_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+            args = (self.runner.model_path, self.runner.model_config.vocab_size, sorted(self.scheduler.eos_token_ids))
+            future = self._grammar_threads.submit(_compile_grammar, *args, sp.constraint_kind, sp.constraint)
+            self.compiling[req.request_id] = (req, future)
         self.stats.num_prompt_tokens += req.num_prompt_tokens
         return req
 
+    def _admit_compiled(self) -> None:
+        """Queue the held requests whose grammar is ready; refuse those it failed for."""
+        if not self.scheduler.has_work() and self.inflight is None:
+            wait([f for _, f in self.compiling.values()], timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+        for rid, (req, future) in list(self.compiling.items()):
+            if future.done():
+                del self.compiling[rid]
+                try:
+                    req.grammar = future.result()
+                except AdmissionError as e:
+                    self.scheduler.reject(req, e.code, str(e))
+                else:
+                    self.scheduler.release(req)
+
     def abort(self, request_id: str) -> bool:
+        self.compiling.pop(request_id, None)  # its compile finishes unheeded
         return self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self.inflight is not None
+        return self.scheduler.has_work() or self.inflight is not None or bool(self.compiling)
 
     # -- stepping ----------------------------------------------------------------------
     def step(self) -> StepOutput:
@@ -121,7 +147,13 @@ class Engine:
         tokens are taken (and its outputs made) only after this one is launched, so the
         host's bookkeeping runs while the device computes; a step whose requests need
         their tokens on the host first (grammar, penalties, logprobs) waits for them."""
+        if self.compiling:
+            self._admit_compiled()
         batch = self.scheduler.schedule()
+        if not len(batch) and self.inflight is None:  # nothing runs (grammars compiling)
+            self.refresh_load()
+            return StepOutput(outputs=self.finished_outputs(), step=self.stats.steps, batch_size=0, num_tokens=0,
+                              load=self.load)
         prev, self.inflight = self.inflight, None
         overlap = self.overlap and not any(_needs_host_tokens(r) for r in batch.requests)
         outputs: list[RequestOutput] = []
@@ -176,6 +208,8 @@ class Engine:
             matched_token_id=req.matched_token_id,
             matched_stop_str=req.matched_stop_str,
         )
+        if req.error is not None:
+            out.error_code, out.error = req.error
         if req.output_logprobs is not None and new:
             out.output_logprobs = req.output_logprobs.rows(start, start + len(new), new)
         if req.input_logprobs is not None and not req.input_logprobs_sent and not req.needs_input_logprobs:
@@ -209,7 +243,7 @@ class Engine:
         self.load = LoadSnapshot(
             step=s.steps,
             num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
+            num_waiting=len(sched.waiting) + len(sched.held),
             num_waiting_uncached_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
             num_used_tokens=self.pool.num_used_blocks * self.pool.block_size,
             max_total_num_tokens=self.kv.capacity_tokens,

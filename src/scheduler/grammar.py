@@ -2,10 +2,11 @@
 constraints compiled per request (with xgrammar's cache), one GrammarMatcher per request.
 
 The sampler fills a token bitmask row for every constrained row of a step and masks
-the logits with it; the sampled token is then fed to the matcher. Compilation runs in
-the scheduler process at admission (milliseconds for typical schemas; the tokenizer
-and the compiler are built once, on the first constrained request). A constraint that
-does not compile refuses the request with INVALID_ARGUMENT and xgrammar's reason.
+the logits with it; the sampled token is then fed to the matcher. Compilation runs on
+the engine's worker threads while the request is held (milliseconds for typical schemas,
+seconds for the first constrained request, which builds the vocabulary's tables, or for
+huge ones), so other requests keep stepping. A constraint that does not compile refuses
+the request with INVALID_ARGUMENT and xgrammar's reason.
 """
 
 from __future__ import annotations

@@ -62,13 +62,16 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.held: dict[str, Request] = {}  # admitted, not schedulable yet (grammar compiling)
         self.requests: dict[str, Request] = {}
         self.finished: list[Request] = []  # finished since the last drain (aborts included)
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache, in all
 
     # -- admission -------------------------------------------------------------------
-    def add_request(self, msg: AddRequest) -> Request:
+    def add_request(self, msg: AddRequest, hold: bool = False) -> Request:
+        """Admit a request (AdmissionError if it can never run); queue it, or with ``hold``
+        keep it aside until :meth:`release`."""
         if msg.request_id in self.requests:
             raise AdmissionError("ALREADY_EXISTS", f"request id {msg.request_id!r} is already in flight")
         n = len(msg.input_ids)
@@ -102,14 +105,31 @@ class Scheduler:
         extra = msg.cache_salt.encode()
         req = Request(msg.request_id, msg.input_ids, msg.sampling, max_new, self.eos_token_ids, msg.arrival_time, extra)
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        if hold:
+            self.held[req.request_id] = req
+        else:
+            self.waiting.append(req)
         return req
+
+    def release(self, req: Request) -> None:
+        """A held request becomes schedulable."""
+        del self.held[req.request_id]
+        self.waiting.append(req)
+
+    def reject(self, req: Request, code: str, message: str) -> None:
+        """A held request cannot run after all: it finishes with an error."""
+        del self.held[req.request_id]
+        req.error = (code, message)
+        req.finish("abort")
+        self._retire(req)
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
         if req is None:
             return False
-        if req.status is Status.RUNNING:
+        if self.held.pop(request_id, None) is not None:
+            pass
+        elif req.status is Status.RUNNING:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
