@@ -127,12 +127,8 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None:
             return False
-        if self.held.pop(request_id, None) is not None:
-            pass
-        elif req.status is Status.RUNNING:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
+        if self.held.pop(request_id, None) is None:
+            (self.running if req.status is Status.RUNNING else self.waiting).remove(req)
         req.finish("abort")
         self._retire(req)
         return True
