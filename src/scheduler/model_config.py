@@ -40,7 +40,7 @@ class ModelConfig:
     attention_out_bias: bool = False  # bias on o_proj (Llama/Qwen3 when attention_bias)
     mlp_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k before rope (Qwen3)
-    sliding_window: int | None = None  # recorded only; attention here is always full
+    sliding_window: int | None = None  # attention here is full: the runner caps the context at it
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -57,7 +57,15 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         model_type = cfg.get("model_type", "llama")
-        architecture = (cfg.get("architectures") or [ARCHITECTURES.get(model_type, "LlamaForCausalLM")])[0]
+        if cfg.get("architectures"):
+            architecture = cfg["architectures"][0]
+        elif model_type in ARCHITECTURES:
+            architecture = ARCHITECTURES[model_type]
+        else:
+            raise NotImplementedError(f"model_type {model_type!r} is not supported (have {sorted(ARCHITECTURES)})")
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise NotImplementedError(f"hidden_act {act!r} is not supported (the MLP here is SiLU-gated)")
         heads = cfg["num_attention_heads"]
         # transformers >= 5 writes `rope_parameters` (theta inside); older configs use
         # `rope_theta` + `rope_scaling` (whose type key was once "type").
@@ -67,8 +75,13 @@ class ModelConfig:
             rope["rope_type"] = rope.pop("type")
         bias = bool(cfg.get("attention_bias", False))
         window = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-            window = None
+        if model_type in ("qwen2", "qwen3"):  # sliding only on layers >= max_window_layers, if enabled
+            layer_types = cfg.get("layer_types") or []
+            layers = cfg["num_hidden_layers"]
+            if not cfg.get("use_sliding_window", False) or (
+                "sliding_attention" not in layer_types and cfg.get("max_window_layers", layers) >= layers
+            ):
+                window = None
         return cls(
             architecture=architecture,
             model_type=model_type,
@@ -135,8 +148,11 @@ class ModelConfig:
         vocab = len(tokens.data) if tokens is not None else field(f"{arch}.vocab_size")
         vocab = vocab or int(tensors["token_embd.weight"].shape[-1])
         rope_scaling = None
-        if field(f"{arch}.rope.scaling.type") == "linear":
+        scaling = field(f"{arch}.rope.scaling.type")
+        if scaling == "linear" and field(f"{arch}.rope.scaling.factor"):
             rope_scaling = {"rope_type": "linear", "factor": field(f"{arch}.rope.scaling.factor")}
+        elif scaling not in (None, "none"):
+            raise NotImplementedError(f"GGUF rope scaling {scaling!r} is not supported (only linear, with a factor)")
         if "rope_freqs.weight" in tensors:  # Llama 3.1 GGUFs carry the llama3 scaling as divisors
             rope_scaling = {"rope_type": "freq_factors", "freq_factors": tensors["rope_freqs.weight"].data.tolist()}
         # Chat GGUFs name the end-of-turn token separately from eos; stop on both.

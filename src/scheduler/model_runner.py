@@ -107,10 +107,7 @@ class ModelRunner:
 
         loaded = loaded or load_model(config)
         self.model_path, self.model_config, self.model = loaded.path, loaded.config, loaded.model
-        self.max_model_len = min(
-            config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-        )
+        self.max_model_len = self._context_limit(config.max_model_len)
         self.block_size = config.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(
             self.device.type, ACCELERATOR_BATCHED_TOKENS
@@ -191,6 +188,19 @@ class ModelRunner:
     def _bytes_per_token(self) -> int:
         mc = self.model_config
         return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+
+    def _context_limit(self, requested: int | None) -> int:
+        """The context limit: the model's, or less if asked; a sliding-window model's is its
+        window (attention here is full, exact only that far)."""
+        mc = self.model_config
+        limit = mc.max_position_embeddings
+        if mc.sliding_window and mc.sliding_window < limit:
+            if requested and requested > mc.sliding_window:
+                raise ValueError(f"--max-model-len {requested} exceeds the model's sliding window "
+                                 f"({mc.sliding_window}): attention here is full, exact only that far")
+            logger.warning("context limited to the model's sliding window: %d tokens", mc.sliding_window)
+            limit = mc.sliding_window
+        return min(requested or limit, limit)
 
     def _num_kv_blocks(self) -> int:
         per_block = self._bytes_per_token() * self.block_size

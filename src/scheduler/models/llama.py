@@ -7,8 +7,6 @@ Linear each (concatenated at load time) so a layer runs 4 GEMMs instead of 7.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
@@ -21,8 +19,6 @@ from kernels.norm import rms_norm
 from kernels.rotary import rope_cos_sin
 
 from ..model_config import ModelConfig
-
-logger = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -184,11 +180,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype)
-        if config.sliding_window and config.sliding_window < config.max_position_embeddings:
-            logger.warning(
-                "sliding_window=%d is ignored: attention is full, so outputs past %d tokens differ from the reference",
-                config.sliding_window, config.sliding_window,
-            )
 
     def forward(
         self,
@@ -228,8 +219,10 @@ class LlamaForCausalLM(nn.Module):
         """Take an HF-named state dict (the model adopts its tensors), fusing q/k/v and gate/up;
         strict on names and shapes."""
         sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
-        if self.lm_head is None:
-            sd.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
+        head = sd.pop("lm_head.weight", None) if self.lm_head is None else None
+        if head is not None and not torch.equal(head, sd.get("model.embed_tokens.weight", head)):
+            # (some tied checkpoints store the copy anyway; a different one is ambiguous)
+            raise ValueError("the config ties lm_head to embed_tokens, but the checkpoint's lm_head.weight differs")
         for i in range(self.config.num_layers):
             for fused, parts in self.FUSED.items():
                 sub = "self_attn" if fused == "qkv_proj" else "mlp"

@@ -1,0 +1,90 @@
+"""Model configs we cannot run exactly are refused with a clear error, never served with
+silently different outputs; sliding-window models are limited to what full attention
+computes exactly."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from scheduler.config import EngineConfig
+from scheduler.model_config import ModelConfig
+from scheduler.models import build_model
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=320, hidden_size=64,
+             intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("change,error", [
+    (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act 'gelu_pytorch_tanh'"),
+    (dict(model_type="gemma", architectures=None), "model_type 'gemma'"),  # no longer taken for a Llama
+])
+def test_configs_we_cannot_run_exactly_are_refused(change, error):
+    with pytest.raises(NotImplementedError, match=error):
+        ModelConfig.from_hf_dict({**LLAMA, **change})
+
+
+def test_qwen_has_a_sliding_window_only_when_a_layer_slides():
+    qwen = {**LLAMA, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "sliding_window": 16,
+            "use_sliding_window": True}
+    window = lambda **kw: ModelConfig.from_hf_dict({**qwen, **kw}).sliding_window  # noqa: E731
+    assert window(max_window_layers=2) is None  # HF: layers >= max_window_layers slide; none here
+    assert window(max_window_layers=1) == 16
+    assert window(use_sliding_window=False, max_window_layers=0) is None
+    assert window(layer_types=["full_attention", "sliding_attention"], max_window_layers=2) == 16
+
+
+class _Field:
+    def __init__(self, value):
+        self.value = value
+
+    def contents(self):
+        return self.value
+
+
+def _gguf_reader(**fields):
+    """Just the metadata ModelConfig.from_gguf reads (a narrow stand-in for GGUFReader)."""
+    base = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
+            "llama.vocab_size": 320, "llama.feed_forward_length": 128, "llama.block_count": 2}
+    return SimpleNamespace(fields={k: _Field(v) for k, v in {**base, **fields}.items()}, tensors=[])
+
+
+def test_gguf_rope_scaling_is_linear_or_refused():
+    config = ModelConfig.from_gguf(_gguf_reader(**{"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}))
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    for fields in ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0},
+                   {"llama.rope.scaling.type": "linear"}):  # no factor
+        with pytest.raises(NotImplementedError, match="rope scaling"):
+            ModelConfig.from_gguf(_gguf_reader(**fields))
+
+
+def _tiny_hf(cls_name: str, **kw):
+    torch.manual_seed(0)
+    config = getattr(transformers, cls_name)(**{k: v for k, v in LLAMA.items() if k not in ("model_type", "architectures")},
+                                            **kw)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def test_sliding_window_limits_the_context(tmp_path):
+    from scheduler.model_runner import ModelRunner
+
+    _tiny_hf("MistralConfig", sliding_window=16).save_pretrained(tmp_path)
+    config = EngineConfig(model=str(tmp_path), device="cpu", kv_cache_tokens=256)
+    assert ModelRunner(config).max_model_len == 16  # full attention is exact up to the window
+    with pytest.raises(ValueError, match="sliding window"):
+        ModelRunner(EngineConfig(model=str(tmp_path), device="cpu", kv_cache_tokens=256, max_model_len=32))
+
+
+def test_tied_config_takes_only_an_identical_lm_head_copy():
+    hf = _tiny_hf("LlamaConfig", tie_word_embeddings=True)
+    config = ModelConfig.from_hf_dict({**LLAMA, "tie_word_embeddings": True})
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    build_model(config).load_weights(dict(state))  # the usual stored copy: fine
+    state["lm_head.weight"] += 1.0
+    with pytest.raises(ValueError, match="lm_head.weight differs"):
+        build_model(config).load_weights(state)
