@@ -59,8 +59,29 @@ def test_kernel_and_schedule_flags():
 @pytest.mark.parametrize(
     "argv",
     [["--kv-cache-memory", "lots"], ["--max-running-requests", "0"],
-     ["--kv-cache-tokens", "10", "--kv-cache-memory", "1GiB"], ["--overlap-schedule", "maybe"]],
+     ["--kv-cache-tokens", "10", "--kv-cache-memory", "1GiB"], ["--overlap-schedule", "maybe"],
+     ["--port", "70000"], ["--port", "-1"], ["--max-model-len", "0"], ["--num-threads", "0"],
+     ["--kv-cache-tokens", "-100"], ["--dtype", "int8"], ["--max-logprobs", "-1"]],
 )
 def test_bad_values_are_refused(argv):
     out = parse(argv)
     assert out["exit"] == 2 and "error" in out["stderr"]
+
+
+def test_a_taken_port_is_a_clear_error_and_leaves_nothing_behind(tmp_path):
+    """Another listener on the port (even another daemon: SO_REUSEPORT is off) makes the
+    daemon exit 1 with a one-line reason, before any model loads, removing its IPC dir."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as a gRPC server binds by default
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = dict(os.environ, TMPDIR=str(tmp_path),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(_SRC), os.environ.get("PYTHONPATH")])))
+        r = subprocess.run([sys.executable, "-m", "servicer", "--port", str(port)], env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not list(tmp_path.iterdir()), "the IPC directory was left behind"

@@ -46,23 +46,36 @@ def load_library(name: str) -> ctypes.CDLL | None:
         logger.warning("no C compiler found: using the torch path for %s", name)
         return None
     src = os.path.join(CSRC, f"{name}.c")
-    with open(src, "rb") as f:
-        key = hashlib.sha256(f.read() + " ".join(CFLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "servicer", "kernels")
-    lib_path = os.path.join(cache, f"{name}-{key}.so")
-    if not os.path.exists(lib_path):
-        os.makedirs(cache, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        try:
+    tmp = None
+    try:
+        with open(src, "rb") as f:
+            key = hashlib.sha256(f.read() + " ".join(CFLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+        lib_path = os.path.join(_cache_dir(), f"{name}-{key}.so")
+        if not os.path.exists(lib_path):
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(lib_path))
+            os.close(fd)
             subprocess.run([compiler, *CFLAGS, src, "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
             os.replace(tmp, lib_path)  # atomic: concurrent builders never see half a file
-        except (subprocess.CalledProcessError, OSError) as e:
-            logger.warning("cannot build %s (%s): using the torch path", name, getattr(e, "stderr", e))
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            return None
-    return ctypes.CDLL(lib_path)
+        return ctypes.CDLL(lib_path)
+    except (subprocess.CalledProcessError, OSError) as e:
+        logger.warning("cannot build %s (%s): using the torch path", name, getattr(e, "stderr", None) or e)
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        return None
+
+
+def _cache_dir() -> str:
+    """Where compiled kernels live: the user cache, or a temp dir where that is read-only."""
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "servicer", "kernels")
+    try:
+        os.makedirs(cache, exist_ok=True)
+        if os.access(cache, os.W_OK):
+            return cache
+    except OSError:
+        pass
+    fallback = os.path.join(tempfile.gettempdir(), f"servicer-kernels-{os.getuid()}")
+    os.makedirs(fallback, exist_ok=True)
+    return fallback
 
 
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:

@@ -25,9 +25,15 @@ def resolve_device(name: str) -> torch.device:
         if _npu_available():
             return torch.device("npu")
         return torch.device("cpu")
-    if name.startswith("npu"):
-        _npu_available()
-    return torch.device(name)
+    if name.startswith("npu") and not _npu_available():
+        raise ValueError(f"--device {name}: no NPU is visible (torch_npu is missing or finds no device)")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device (auto, cpu, cuda, cuda:N, npu, npu:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA GPU is visible (torch.cuda.is_available() is False)")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

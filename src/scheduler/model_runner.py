@@ -113,6 +113,11 @@ class ModelRunner:
             self.device.type, ACCELERATOR_BATCHED_TOKENS
         )
         self.num_blocks = self._num_kv_blocks()
+        capacity = (self.num_blocks - 1) * self.block_size
+        if capacity < self.max_model_len:
+            logger.warning("the KV cache holds %d tokens, less than the %d-token context: longer requests "
+                           "will be refused (raise --kv-cache-memory or lower --max-model-len)", capacity,
+                           self.max_model_len)
         self._allocate_kv_cache()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
@@ -165,9 +170,11 @@ class ModelRunner:
             raise ValueError(f"unknown kernel backend {backend!r}; choose auto, torch or triton")
         if backend == "torch" or (backend == "auto" and self.device.type != "cuda"):
             return False
+        if backend == "triton" and self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--kernel-backend triton on the CPU runs only under TRITON_INTERPRET=1 (for tests)")
         if not triton_available():
             if backend == "triton":
-                raise RuntimeError("--kernel-backend triton needs the triton package")
+                raise ValueError("--kernel-backend triton needs the triton package")
             logger.warning("triton is not installed: using the torch kernels on %s", self.device)
             return False
         return True
@@ -194,6 +201,8 @@ class ModelRunner:
         window (attention here is full, exact only that far)."""
         mc = self.model_config
         limit = mc.max_position_embeddings
+        if requested and requested > limit:
+            raise ValueError(f"--max-model-len {requested} exceeds the model's context ({limit} tokens)")
         if mc.sliding_window and mc.sliding_window < limit:
             if requested and requested > mc.sliding_window:
                 raise ValueError(f"--max-model-len {requested} exceeds the model's sliding window "

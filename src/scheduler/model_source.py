@@ -52,17 +52,19 @@ def resolve_model(model: str) -> str:
     )
 
 
-def _cache_root() -> str:
+def _cache_roots() -> list[str]:
+    """The user cache, then a temp dir (for a read-only home, e.g. a locked-down pod)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "servicer", "tokenizers")
+    return [os.path.join(base, "servicer", "tokenizers"),
+            os.path.join(tempfile.gettempdir(), f"servicer-tokenizers-{os.getuid()}")]
 
 
-def _gguf_tokenizer_dir(gguf_path: str) -> str:
+def _gguf_tokenizer_name(gguf_path: str) -> str:
     # Path, size and mtime identify the file without hashing gigabytes.
     st = os.stat(gguf_path)
     key = hashlib.sha256(f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
     stem = os.path.splitext(os.path.basename(gguf_path))[0]
-    return os.path.join(_cache_root(), f"{stem}-{key}")
+    return f"{stem}-{key}"
 
 
 def _build_gguf_tokenizer(gguf_path: str, out_dir: str) -> None:
@@ -111,11 +113,20 @@ def prepare_tokenizer_dir(model_path: str) -> str:
         if any(os.path.isfile(os.path.join(model_path, n)) for n in TOKENIZER_FILES):
             return model_path
         raise FileNotFoundError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {model_path}")
-    final = _gguf_tokenizer_dir(model_path)
-    if os.path.isfile(os.path.join(final, "tokenizer.json")):
-        return final
-    os.makedirs(os.path.dirname(final), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(final))
+    name = _gguf_tokenizer_name(model_path)
+    for root in _cache_roots():
+        if os.path.isfile(os.path.join(root, name, "tokenizer.json")):
+            return os.path.join(root, name)
+    for root in _cache_roots():
+        try:
+            os.makedirs(root, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
+            break
+        except OSError as e:
+            logger.warning("cannot write the tokenizer cache %s (%s)", root, e)
+    else:
+        raise OSError("no writable directory for the GGUF's converted tokenizer")
+    final = os.path.join(root, name)
     try:
         logger.info("converting the tokenizer of %s into %s", model_path, final)
         _build_gguf_tokenizer(model_path, tmp)

@@ -239,8 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(config)
         send(EngineReady(model_info(engine, config)))
     except Exception as e:
-        logger.error("scheduler start-up failed: %s\n%s", e, traceback.format_exc())
-        send(EngineDead(f"start-up failed: {type(e).__name__}: {e}"))
+        # A bad model, flag or device is the operator's to fix: the message says it all.
+        expected = isinstance(e, (ValueError, NotImplementedError, OSError))
+        logger.error("scheduler start-up failed: %s%s", e, "" if expected else "\n" + traceback.format_exc())
+        send(EngineDead(f"{type(e).__name__}: {e}"))
+        inbox.close(0)  # (term() waits for every socket)
         outbox.close()
         ctx.term()
         return 1

@@ -12,12 +12,21 @@ from scheduler.config import EngineConfig, parse_memory_size
 from .server import ServerConfig, serve
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the empty ones whose meaning the help text already gives."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m servicer",
         description="LLM inference daemon: serves a model over gRPC (the SGLang scheduler protocol "
         "of the smg router, grpc.health.v1 and reflection) with its own continuous-batching engine.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--model", default="smollm2",
                    help="model to serve: 'smollm2' (the bundled SmolLM2-135M-Instruct GGUF), a .gguf file, "
@@ -28,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000, help="gRPC port")
     p.add_argument("--device", default="auto",
                    help="where the model runs: auto (CUDA, then NPU, else CPU), cpu, cuda, cuda:N, npu, npu:N")
-    p.add_argument("--dtype", default="auto",
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight and KV dtype: auto (float32 on CPU, bfloat16 on accelerators), "
                    "float32, bfloat16 or float16")
     p.add_argument("--max-running-requests", type=int, default=64,
@@ -84,7 +93,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
             parser.error(str(e))
     if args.max_logprobs < 0:
         parser.error("--max-logprobs must be at least 0")
-    for name in ("max_running_requests", "max_num_batched_tokens", "block_size"):
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in 0..65535, got {args.port}")
+    for name in ("max_running_requests", "max_num_batched_tokens", "block_size", "max_model_len", "kv_cache_tokens",
+                 "num_threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     engine = EngineConfig(

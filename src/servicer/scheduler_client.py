@@ -113,7 +113,7 @@ class SchedulerClient:
             if self.alive:
                 self.to_scheduler.send(to_scheduler_encoder.encode(ControlRequest(0, "shutdown")))
             try:
-                await asyncio.wait_for(proc.wait(), timeout if self.alive else 0.1)
+                await asyncio.wait_for(proc.wait(), timeout)  # (a failed one is already exiting)
             except (TimeoutError, asyncio.TimeoutError):
                 proc.kill()
                 await proc.wait()

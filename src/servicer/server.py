@@ -29,6 +29,7 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 2**20),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", True),
+    ("grpc.so_reuseport", 0),  # a second daemon on our port must fail, not split the traffic
 ]
 WARMUP_PROMPT = [123, 456, 789, 234, 567, 890, 345]
 
@@ -50,7 +51,10 @@ async def warm_up(client: SchedulerClient, timeout: float = 120.0) -> None:
     """One real greedy generation through the whole engine before we say SERVING."""
     queue: asyncio.Queue = asyncio.Queue()
     rid = f"warmup-{time.time_ns()}"
-    client.submit(AddRequest(rid, WARMUP_PROMPT, SamplingParams(temperature=0.0, max_new_tokens=8)), queue)
+    context = client.model_info["max_context_length"]
+    prompt = WARMUP_PROMPT[: max(1, context - 2)]  # fits whatever --max-model-len says
+    max_new = max(1, min(8, context - len(prompt)))
+    client.submit(AddRequest(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=max_new)), queue)
 
     async def finished() -> None:
         while True:
@@ -87,18 +91,32 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         ],
         server,
     )
-    address = f"{server_config.host}:{server_config.port}"
-    if server.add_insecure_port(address) == 0:
-        logger.error("cannot bind %s", address)
+    host = server_config.host
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # an IPv6 literal
+    try:
+        port = server.add_insecure_port(f"{host}:{server_config.port}")
+    except RuntimeError:  # newer grpcio raises where older ones returned 0
+        port = 0
+    if port == 0:
+        logger.error("cannot listen on %s:%d (address in use, or not an address of this machine)",
+                     host, server_config.port)
         await client.stop()
         return 1
+    address = f"{host}:{port}"
     await server.start()
     logger.info("gRPC server listening on %s (NOT_SERVING until the model is loaded and warmed up)", address)
 
-    stop_requested = asyncio.Event()
+    stop_requested, abort_now = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        if stop_requested.is_set():  # a second Ctrl-C: no more waiting for requests
+            logger.warning("second stop signal: aborting in-flight requests now")
+            abort_now.set()
+        stop_requested.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop_requested.set)
+        loop.add_signal_handler(sig, on_signal)
 
     exit_code = 0
     try:
@@ -125,7 +143,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
             logger.error("scheduler failed: %s; exiting so a supervisor can restart us", client.dead_reason)
             exit_code = 1
         else:
-            await _drain(client, health, server_config.shutdown_grace_s)
+            await _drain(client, health, server_config.shutdown_grace_s, abort_now)
         return exit_code
     finally:
         health.shutting_down = True
@@ -139,13 +157,16 @@ async def _start_engine(client: SchedulerClient) -> None:
     await warm_up(client)
 
 
-async def _drain(client: SchedulerClient, health: HealthState, grace_s: float) -> None:
-    """Stop admitting, let in-flight requests finish up to the grace period, abort the rest."""
+async def _drain(client: SchedulerClient, health: HealthState, grace_s: float, abort_now: asyncio.Event) -> None:
+    """Stop admitting, let in-flight requests finish up to the grace period (or a second
+    stop signal), abort the rest."""
     health.shutting_down = True
     logger.info("draining %d in-flight request(s), up to %.0f s", client.num_in_flight, grace_s)
     deadline = time.monotonic() + grace_s
-    while client.num_in_flight and time.monotonic() < deadline and client.alive:
+    while client.num_in_flight and time.monotonic() < deadline and client.alive and not abort_now.is_set():
         await asyncio.sleep(0.05)
+    if client.num_in_flight:
+        logger.warning("aborting %d request(s) still in flight", client.num_in_flight)
     for rid in client.in_flight_ids():
         client.abort(rid, "server shutting down")
     # Give aborted streams a moment to deliver their final "abort" Complete.
