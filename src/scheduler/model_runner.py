@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,11 +87,16 @@ def load_model(config: EngineConfig) -> LoadedModel:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     path = resolve_model(config.model)
+    started = time.perf_counter()
+    logger.info("loading %s onto %s (%s)", path, device, str(dtype).removeprefix("torch."))
     model_config, state_dict = load_checkpoint(path)
     model = build_model(model_config, dtype=dtype)
     model.load_weights(state_dict)
     del state_dict
-    return LoadedModel(path, model_config, model.to(device=device).eval())
+    model = model.to(device=device).eval()
+    logger.info("loaded %s: %d layers, %.0fM parameters, in %.1f s", model_config.architecture, model_config.num_layers,
+                sum(p.numel() for p in model.parameters()) / 1e6, time.perf_counter() - started)
+    return LoadedModel(path, model_config, model)
 
 
 class ModelRunner:

@@ -45,6 +45,7 @@ from .profiler import StepProfiler
 
 logger = logging.getLogger("scheduler")
 HEARTBEAT_S = 0.25
+STATS_LOG_S = 10.0  # while busy, one line of load every this often (as SGLang's decode log)
 
 
 def _tie_lifetime_to_parent() -> None:
@@ -119,6 +120,7 @@ class SchedulerLoop:
         self.step_started = 0.0  # monotonic start of the running step, 0 between steps
         self.running = True
         self.profiler = StepProfiler(str(engine.runner.device))  # StartProfile / StopProfile
+        self.last_stats_log = time.monotonic()
 
     def send(self, msg) -> None:
         self.outbox.send(from_scheduler_encoder.encode(msg), copy=False)
@@ -136,6 +138,18 @@ class SchedulerLoop:
                     self.send(out)
                 self._publish_kv_events()
                 self.profiler.on_step()
+                if time.monotonic() - self.last_stats_log >= STATS_LOG_S:
+                    self._log_stats()
+
+    def _log_stats(self) -> None:
+        self.last_stats_log = time.monotonic()
+        load = self.engine.load
+        logger.info(
+            "running %d, waiting %d, KV %d/%d tokens (%.0f%%), generating %.1f tok/s, prefix-cache hits %.0f%%",
+            load.num_running, load.num_waiting, load.num_used_tokens, load.max_total_num_tokens,
+            100 * load.num_used_tokens / max(load.max_total_num_tokens, 1), load.gen_throughput,
+            100 * load.cache_hit_rate,
+        )
 
     def _publish_kv_events(self) -> None:
         """Send the prefix cache's changes since the last call as one KvEvents batch."""
