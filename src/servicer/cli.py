@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=server.log_level.upper(), format="%(asctime)s %(levelname)s servicer[%(process)d]: %(message)s"
     )
+    logging.getLogger("grpc").setLevel(logging.INFO)  # its debug lines are per event-loop call
     try:
         import uvloop
 

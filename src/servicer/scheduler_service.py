@@ -108,6 +108,9 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         self.children[rid] = ids
         queue: asyncio.Queue = asyncio.Queue()
         finished = False
+        started = time.monotonic()
+        logger.debug("request %s: %d prompt tokens, n=%d, max_new_tokens=%s, stream=%s", rid,
+                     len(base.input_ids), n, base.sampling.max_new_tokens, request.stream)
         try:
             for i, cid in enumerate(ids):
                 child = msgspec.structs.replace(base, request_id=cid)
@@ -133,12 +136,16 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
                 if out.finish_reason is not None:
                     choice.done = True
                     remaining -= 1
+                    logger.debug("request %s: %s after %d tokens (%d cached prompt tokens) in %.2f s", out.request_id,
+                                 out.finish_reason, len(choice.output_ids), out.num_cached_tokens,
+                                 time.monotonic() - started)
                     yield pb.GenerateResponse(request_id=rid, complete=self._complete(out, choice, request))
             finished = True
         finally:
             # A cancelled call (client gone) or an error: stop the work and free the KV now.
             for cid, choice in choices.items():
                 if not finished and not choice.done:
+                    logger.debug("request %s: cancelled by the client or an error; aborting it", cid)
                     self.client.abort(cid, "client cancelled")
                 self.client.release(cid)
             self.children.pop(rid, None)
