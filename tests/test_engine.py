@@ -141,3 +141,8 @@ def test_a_compiling_grammar_holds_only_its_own_request(loaded, reference, monke
     assert finish["constrained"] == "stop" and end in engine.scheduler.eos_token_ids
     assert load_tokenizer(engine.runner.model_path).decode(text) in ("yes!", "no!")
     assert_no_leak(engine)
+
+
+def test_a_kv_cache_larger_than_the_memory_left_is_refused(loaded):
+    with pytest.raises(ValueError, match="kv-cache-memory 100TiB is more than"):
+        ModelRunner(EngineConfig(device="cpu", kv_cache_memory="100TiB"), loaded)

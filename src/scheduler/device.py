@@ -51,11 +51,17 @@ def accelerator_module(device: torch.device):
 
 
 def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory the device can still give (on the CPU: Linux's MemAvailable); None if unknown."""
     mod = accelerator_module(device)
-    if mod is None:
+    if mod is not None:
+        free, _total = mod.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
         return None
-    free, _total = mod.mem_get_info(device)
-    return free
 
 
 def synchronize(device: torch.device) -> None:

@@ -223,6 +223,10 @@ class ModelRunner:
             return -(-self.config.kv_cache_tokens // self.block_size) + 1  # + the null block
         if self.config.kv_cache_memory is not None:
             budget = parse_memory_size(self.config.kv_cache_memory)
+            free = free_memory_bytes(self.device)
+            if free is not None and budget > free:
+                raise ValueError(f"--kv-cache-memory {self.config.kv_cache_memory} is more than the "
+                                 f"{free / 2**30:.1f} GiB {self.device.type} memory still available")
         elif self.device.type == "cpu":
             budget = CPU_DEFAULT_KV_BYTES
         else:

@@ -59,6 +59,9 @@ class SchedulerClient:
         self.ctx.setsockopt(zmq.SNDHWM, 0)
         self.ctx.setsockopt(zmq.RCVHWM, 0)
         ipc_dir = tempfile.mkdtemp(prefix="servicer-")
+        if len(ipc_dir) > 64:  # ipc:// paths end at 107 bytes: a long TMPDIR cannot hold ours
+            os.rmdir(ipc_dir)
+            ipc_dir = tempfile.mkdtemp(prefix="servicer-", dir="/tmp")
         tag = uuid.uuid4().hex[:8]
         self.inbox_addr = f"ipc://{ipc_dir}/to-scheduler-{tag}"
         self.outbox_addr = f"ipc://{ipc_dir}/from-scheduler-{tag}"
