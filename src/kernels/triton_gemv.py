@@ -35,11 +35,9 @@ import functools
 
 import torch
 
+from .triton_attention import _next_pow2
+
 SMALL_BATCH_ROWS = 16  # the most rows one program holds (tl.dot's minimum M)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 @functools.cache

@@ -148,9 +148,9 @@ class ModelConfig:
         vocab = len(tokens.data) if tokens is not None else field(f"{arch}.vocab_size")
         vocab = vocab or int(tensors["token_embd.weight"].shape[-1])
         rope_scaling = None
-        scaling = field(f"{arch}.rope.scaling.type")
-        if scaling == "linear" and field(f"{arch}.rope.scaling.factor"):
-            rope_scaling = {"rope_type": "linear", "factor": field(f"{arch}.rope.scaling.factor")}
+        scaling, factor = field(f"{arch}.rope.scaling.type"), field(f"{arch}.rope.scaling.factor")
+        if scaling == "linear" and factor:
+            rope_scaling = {"rope_type": "linear", "factor": factor}
         elif scaling not in (None, "none"):
             raise NotImplementedError(f"GGUF rope scaling {scaling!r} is not supported (only linear, with a factor)")
         if "rope_freqs.weight" in tensors:  # Llama 3.1 GGUFs carry the llama3 scaling as divisors

@@ -215,7 +215,7 @@ class ModelRunner:
                                  f"({mc.sliding_window}): attention here is full, exact only that far")
             logger.warning("context limited to the model's sliding window: %d tokens", mc.sliding_window)
             limit = mc.sliding_window
-        return min(requested or limit, limit)
+        return requested or limit  # (a larger one was refused above)
 
     def _num_kv_blocks(self) -> int:
         per_block = self._bytes_per_token() * self.block_size
