@@ -6,6 +6,10 @@ Runs, in one process run and side by side:
   (c) HF transformers static batching (batches of 16, left-padded) on the same weights,
 and prints output tok/s, TTFT and ITL (mean, p50, p99) for each, with ratios to (c).
 
+--dtypes runs each of (a), (b), (c) once per dtype: float32 (W64's, the CPU default) and,
+where the CPU has bf16 instructions, bfloat16 (``--dtype bfloat16``); each bf16 run's ratio
+is also given against HF in bf16.
+
 --sampling picks the sampling parameters of (a) and (b):
   greedy (default): every request greedy, as W64 specifies;
   mixed: even requests greedy, odd ones sampled with temperature 0.8, top_p 0.9, top_k 40,
@@ -15,7 +19,7 @@ and prints output tok/s, TTFT and ITL (mean, p50, p99) for each, with ratios to 
          (issue 5: the sampler may cost at most 10%, i.e. ratio >= 0.90); (b) and (c) greedy.
 
     python bench/bench_w64.py [--device cpu] [--json out.json] [--skip hf,daemon] [--requests 64]
-                              [--sampling greedy|mixed|both]
+                              [--sampling greedy|mixed|both] [--dtypes float32,bfloat16]
     python bench/bench_w64.py --sampling both --skip hf,daemon   # sampler cost on the engine
 """
 
@@ -39,7 +43,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
 from scheduler.config import EngineConfig  # noqa: E402
+from scheduler.device import cpu_has_bf16  # noqa: E402
 from scheduler.messages import SamplingParams  # noqa: E402
+
+SHORT = {"float32": "", "bfloat16": "bf16"}  # run names and keys: fp32 runs keep W64's plain ones
+
+
+def dtype_label(dtype: str) -> str:
+    return f", {SHORT[dtype]}" if SHORT[dtype] else ""
 
 
 def w64_workload(n: int = 64) -> list[tuple[list[int], int]]:
@@ -83,10 +94,10 @@ def summarize(name: str, wall: float, per_request: list[tuple[float, float, int]
 
 
 # -- (a) offline engine -------------------------------------------------------------------
-def run_engine(work, args, sampling: str = "greedy") -> dict:
+def run_engine(work, args, sampling: str = "greedy", dtype: str = "float32") -> dict:
     from scheduler.engine import Engine
 
-    config = EngineConfig(model=args.model, device=args.device, max_running_requests=len(work),
+    config = EngineConfig(model=args.model, device=args.device, dtype=dtype, max_running_requests=len(work),
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads)
     engine = Engine(config)
@@ -98,7 +109,7 @@ def run_engine(work, args, sampling: str = "greedy") -> dict:
     results = engine.generate([p for p, _ in work], params)
     wall = time.perf_counter() - t0
     assert all(len(r.output_ids) == n for r, (_, n) in zip(results, work))
-    name = "engine (offline)" if sampling == "greedy" else f"engine (offline, {sampling})"
+    name = f"engine (offline{dtype_label(dtype)})" if sampling == "greedy" else f"engine (offline, {sampling})"
     out = summarize(name, wall, [(r.token_times[0] - t0, r.token_times[-1] - t0, len(r.output_ids)) for r in results])
     out["max_batch_size"] = engine.stats.max_batch_size
     out["sampling"] = sampling
@@ -159,12 +170,13 @@ def _children(pid: int) -> list[int]:
         return [int(c) for c in f.read().split()]
 
 
-def run_daemon(work, args, sampling: str = "greedy") -> dict:
+def run_daemon(work, args, sampling: str = "greedy", dtype: str = "float32") -> dict:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     import grpc
 
     port = _free_port()
     cmd = [sys.executable, "-m", "servicer", "--model", args.model, "--port", str(port), "--device", args.device,
+           "--dtype", dtype,
            "--max-running-requests", str(len(work)), "--kv-cache-tokens", str(args.kv_cache_tokens),
            "--log-level", "warning"]
     if args.max_num_batched_tokens:
@@ -197,7 +209,7 @@ def run_daemon(work, args, sampling: str = "greedy") -> dict:
         cpu = {k: round(_cpu_seconds(p) - cpu0[k], 1) for k, p in pids.items()}
         cpu["client"] = round(time.process_time() - client0, 1)
         assert all(n == want for (_, _, n), (_, want) in zip(results, work))
-        name = "daemon (gRPC, 64 in flight)" if sampling == "greedy" else f"daemon (gRPC, 64 in flight, {sampling})"
+        name = f"daemon (gRPC, 64 in flight{dtype_label(dtype)})" if sampling == "greedy" else f"daemon (gRPC, 64 in flight, {sampling})"
         out = summarize(name, wall, results)
         out["cpu_s"] = cpu
         out["sampling"] = sampling
@@ -212,7 +224,7 @@ def run_daemon(work, args, sampling: str = "greedy") -> dict:
 
 
 # -- (c) HF transformers static batching ---------------------------------------------------
-def run_hf(work, args, batch_size: int = 16) -> dict:
+def run_hf(work, args, batch_size: int = 16, dtype: str = "float32") -> dict:
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
     from scheduler.model_source import resolve_model
@@ -224,6 +236,8 @@ def run_hf(work, args, batch_size: int = 16) -> dict:
                                                      dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
+    if device.type == "cpu":
+        model = model.to(getattr(torch, dtype))
     model = model.to(device).eval()
 
     class StepClock(LogitsProcessor):
@@ -252,7 +266,7 @@ def run_hf(work, args, batch_size: int = 16) -> dict:
         for _, n in batch:
             results.append((clock.times[0] - t0, clock.times[n - 1] - t0, n))
     wall = time.perf_counter() - t0
-    return summarize(f"HF transformers static batch {batch_size}", wall, results)
+    return summarize(f"HF transformers static batch {batch_size}{dtype_label(dtype)}", wall, results)
 
 
 def main() -> int:
@@ -270,27 +284,39 @@ def main() -> int:
     ap.add_argument("--sampling", choices=("greedy", "mixed", "both"), default="greedy",
                     help="greedy: all greedy (W64); mixed: alternate greedy and sampled+penalties for (a) and (b); "
                          "both: (a) all-greedy and mixed side by side with the ratio (b, c stay greedy)")
+    ap.add_argument("--dtypes", default=None,
+                    help="comma list of float32,bfloat16 (default: both where the CPU has bf16 instructions)")
     args = ap.parse_args()
+    default_dtypes = "float32,bfloat16" if args.device == "cpu" and cpu_has_bf16() else "float32"
+    dtypes = (args.dtypes or default_dtypes).split(",")
+    if not set(dtypes) <= set(SHORT):
+        ap.error(f"--dtypes: choose from {', '.join(SHORT)}")
     torch.set_num_threads(args.threads)
     work = w64_workload()[: args.requests]
     print(f"W64: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
           f"{sum(n for _, n in work)} output tokens, {args.threads} threads, device {args.device}, "
-          f"sampling {args.sampling}", flush=True)
+          f"sampling {args.sampling}, dtypes {','.join(dtypes)}", flush=True)
     skip = set(filter(None, args.skip.split(",")))
     served = "greedy" if args.sampling == "both" else args.sampling  # what (b) runs
     plan = []
-    if args.sampling == "both":
-        plan += [("engine", lambda w, a: run_engine(w, a, "greedy")), ("engine_mixed", lambda w, a: run_engine(w, a, "mixed"))]
-    else:
-        plan.append(("engine", lambda w, a: run_engine(w, a, args.sampling)))
-    plan += [("daemon", lambda w, a: run_daemon(w, a, served)), ("hf", run_hf)]
+    if "float32" in dtypes:
+        if args.sampling == "both":
+            plan += [("engine", lambda w, a: run_engine(w, a, "greedy")),
+                     ("engine_mixed", lambda w, a: run_engine(w, a, "mixed"))]
+        else:
+            plan.append(("engine", lambda w, a: run_engine(w, a, args.sampling)))
+        plan += [("daemon", lambda w, a: run_daemon(w, a, served)), ("hf", run_hf)]
+    for dtype in dtypes:  # the other dtypes: (a), (b), (c) greedy, as W64 specifies
+        if SHORT[dtype]:
+            plan += [(f"{kind}_{SHORT[dtype]}", lambda w, a, fn=fn, dtype=dtype: fn(w, a, dtype=dtype))
+                     for kind, fn in (("engine", run_engine), ("daemon", run_daemon), ("hf", run_hf))]
     # --repeat N runs the engine and daemon rounds N times, interleaved (E D E D ...), and keeps
     # each one's median: this machine's speed drifts by +-10% over minutes, so a single pair
     # can show a daemon/engine ratio the code does not cause.
     samples: dict[str, list[dict]] = {}
     for round_ in range(args.repeat):
         for key, fn in plan:
-            if key.split("_")[0] in skip or (round_ and key == "hf"):
+            if key.split("_")[0] in skip or (round_ and key.startswith("hf")):
                 continue
             r = fn(work, args)
             samples.setdefault(key, []).append(r)
@@ -302,18 +328,26 @@ def main() -> int:
             runs[key]["all_tok_per_s"] = [round(r["tok_per_s"], 1) for r in rs]
 
     base = runs.get("hf")
-    print(f"\n{'run':34s} {'tok/s':>8s} {'x HF':>6s} {'TTFT mean/p50/p99 (s)':>24s} {'ITL mean/p50/p99 (ms)':>24s}")
-    for r in runs.values():
+    print(f"\n{'run':40s} {'tok/s':>8s} {'x HF':>6s} {'x HF same dtype':>16s} {'TTFT mean/p50/p99 (s)':>24s} "
+          f"{'ITL mean/p50/p99 (ms)':>24s}")
+    for key, r in runs.items():
         ratio = f"{r['tok_per_s'] / base['tok_per_s']:.2f}" if base else "-"
+        same = runs.get("hf_" + key.split("_", 1)[1]) if key.endswith(tuple(f"_{s}" for s in SHORT.values() if s)) else base
+        r["x_hf"] = r["tok_per_s"] / base["tok_per_s"] if base else None
+        r["x_hf_same_dtype"] = r["tok_per_s"] / same["tok_per_s"] if same else None
+        same_ratio = f"{r['x_hf_same_dtype']:.2f}" if same else "-"
         t, i = r["ttft_s"], r["itl_s"]
-        print(f"{r['name']:34s} {r['tok_per_s']:8.1f} {ratio:>6s} "
+        print(f"{r['name']:40s} {r['tok_per_s']:8.1f} {ratio:>6s} {same_ratio:>16s} "
               f"{t['mean']:8.2f}/{t['p50']:.2f}/{t['p99']:.2f} {i['mean'] * 1e3:9.1f}/{i['p50'] * 1e3:.1f}/{i['p99'] * 1e3:.1f}")
+    if "engine" in runs and "engine_bf16" in runs:
+        print(f"engine bf16 / fp32 throughput: {runs['engine_bf16']['tok_per_s'] / runs['engine']['tok_per_s']:.3f}")
     if "engine" in runs and "daemon" in runs:
         print(f"daemon / engine throughput: {runs['daemon']['tok_per_s'] / runs['engine']['tok_per_s']:.3f}")
         if args.repeat > 1:
             pairs = [d["tok_per_s"] / e["tok_per_s"] for e, d in zip(samples["engine"], samples["daemon"])]
             print(f"  per round: {', '.join(f'{x:.3f}' for x in pairs)}")
-    doc = {"workload": "W64", "device": args.device, "threads": args.threads, "sampling": args.sampling, "runs": runs}
+    doc = {"workload": "W64", "device": args.device, "threads": args.threads, "sampling": args.sampling,
+           "dtypes": dtypes, "runs": runs}
     if "engine" in runs and "engine_mixed" in runs:
         g, m = runs["engine"]["tok_per_s"], runs["engine_mixed"]["tok_per_s"]
         doc["engine_mixed_over_greedy"] = ratio = m / g

@@ -76,20 +76,25 @@ def test_store_kv_skips_padding_slots():
     assert flat.sum() == 2 * HKV * D
 
 
-def test_native_decode_kernel_matches_torch_path_on_long_sequences():
-    if cpu_kernels.load_library("paged_decode_attention") is None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [D, 64, 128, 40])  # the generic loop, the two unrolled sizes, 5 vectors
+def test_native_decode_kernel_matches_torch_path_on_long_sequences(dtype, head_dim):
+    if cpu_kernels.load_library("paged_decode_attention", dtype) is None:
         pytest.skip("no C compiler: native kernel unavailable")
     g = torch.Generator().manual_seed(0)
     n, num_blocks = 5, 64
-    k_cache = torch.randn(num_blocks, BS, HKV, D, generator=g)
-    v_cache = torch.randn(num_blocks, BS, HKV, D, generator=g)
+    k_cache = torch.randn(num_blocks, BS, HKV, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, BS, HKV, head_dim, generator=g).to(dtype)
     seq_lens = [1, 4, 5, 37, 100]
     tables = [torch.randperm(num_blocks - 1, generator=g)[: -(-s // BS)].add(1).tolist() for s in seq_lens]
     meta = AttentionMetadata.build([1] * n, seq_lens, tables, BS)
-    q = torch.randn(n, H, D, generator=g)
-    k_flat, v_flat = k_cache.view(-1, HKV, D), v_cache.view(-1, HKV, D)
+    q = torch.randn(n, H, head_dim, generator=g).to(dtype)
     from kernels.attention import decode_attention_torch
 
-    expected = decode_attention_torch(q, k_flat, v_flat, meta, 0.125)
+    # The reference in fp32 on the same (rounded) values: the kernel accumulates in fp32 too.
+    k_flat, v_flat = k_cache.float().view(-1, HKV, head_dim), v_cache.float().view(-1, HKV, head_dim)
+    expected = decode_attention_torch(q.float(), k_flat, v_flat, meta, 0.125).to(dtype)
     native = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, 0.125)
-    torch.testing.assert_close(native, expected, atol=1e-5, rtol=1e-5)
+    assert native.dtype == dtype
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}
+    torch.testing.assert_close(native, expected, **tol)

@@ -588,6 +588,31 @@ def test_flush_cache_drops_the_prefix_cache(grpc_stub, story):
     assert c.cached_tokens == 0
 
 
+def test_bf16_daemon_answers_and_frees_its_kv(tmp_path, tokenizer, france, story):
+    """``--dtype bfloat16`` on the CPU (the fast dtype where the CPU has bf16 instructions):
+    the same answer, prompts that hit the prefix cache and run batched, and no KV left held."""
+    from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+    with Daemon(max_running_requests=8, kv_cache_tokens=4096, extra_args=["--dtype", "bfloat16"], log_dir=tmp_path) as d:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = pb_grpc.SglangSchedulerStub(ch)
+            assert stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).server_args.fields["dtype"].string_value == "bfloat16"
+            out, _ = greedy_ids(stub, france, max_new_tokens=24)
+            assert "Paris" in tokenizer.decode(out, skip_special_tokens=True)
+            prompts = [story * 8 + [100 + i] for i in range(8)]  # a shared 32-token prefix
+            alone, _ = greedy_ids(stub, prompts[0], max_new_tokens=12, ignore_eos=True)
+            with ThreadPoolExecutor(len(prompts)) as ex:
+                batched = list(ex.map(lambda p: greedy_ids(stub, p, max_new_tokens=12, ignore_eos=True)[1], prompts))
+            assert all(c.completion_tokens == 12 for c in batched)
+            assert sum(c.cached_tokens for c in batched) >= 7 * 32
+            assert list(batched[0].output_ids)[:4] == alone[:4]
+            assert wait_idle(stub) == 0
+            deadline = time.monotonic() + 5
+            while (load := stub.GetLoads(pb.GetLoadsRequest(include=["core"]), timeout=10).loads[0]).num_used_tokens:
+                assert time.monotonic() < deadline, f"{load.num_used_tokens} KV tokens still held"
+                time.sleep(0.3)
+
+
 @pytest.mark.parametrize("target", ["leader", "group"])
 def test_sigterm_drains_in_flight_requests(tmp_path, target):
     """SIGTERM lets an in-flight stream finish, then the daemon exits 0 and leaves no process behind."""

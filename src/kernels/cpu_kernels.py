@@ -1,8 +1,10 @@
 """Native CPU kernels: small C files in ``csrc/`` compiled on first use with the system C
 compiler (cached per source, flags and CPU), called through ctypes on tensor pointers.
+Each source is built once per element type, fp32 and bf16 (``csrc/elem.h``): bf16 halves
+the bytes every kernel moves, and the decode attention is bound by exactly that.
 
-Each wrapper returns None when its kernel does not apply (not fp32 on the CPU, a layout it
-does not read, no compiler); the caller then takes the torch reference path.
+Each wrapper returns None when its kernel does not apply (not fp32/bf16 on the CPU, a
+layout it does not read, no compiler); the caller then takes the torch reference path.
 
 ``SERVICER_DISABLE_NATIVE_KERNELS=1`` turns them all off.
 """
@@ -36,25 +38,33 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
+# The element types the kernels are built for: the -D flag selecting each in elem.h.
+ELEMENT_FLAGS = {torch.float32: [], torch.bfloat16: ["-DELEM_BF16"]}
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
 @functools.lru_cache(maxsize=None)
-def load_library(name: str) -> ctypes.CDLL | None:
-    """Compile (once) and load ``csrc/<name>.c``; None if that cannot be done here."""
-    if os.environ.get("SERVICER_DISABLE_NATIVE_KERNELS") == "1":
+def load_library(name: str, dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
+    """Compile (once) and load ``csrc/<name>.c`` for ``dtype``; None if that cannot be done here."""
+    if os.environ.get("SERVICER_DISABLE_NATIVE_KERNELS") == "1" or dtype not in ELEMENT_FLAGS:
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found: using the torch path for %s", name)
         return None
     src = os.path.join(CSRC, f"{name}.c")
+    flags = CFLAGS + ELEMENT_FLAGS[dtype]
     tmp = None
     try:
-        with open(src, "rb") as f:
-            key = hashlib.sha256(f.read() + " ".join(CFLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-        lib_path = os.path.join(_cache_dir(), f"{name}-{key}.so")
+        digest = hashlib.sha256(" ".join(flags).encode() + _cpu_signature().encode())
+        for path in (src, os.path.join(CSRC, "elem.h")):
+            with open(path, "rb") as f:
+                digest.update(f.read())
+        lib_path = os.path.join(_cache_dir(), f"{name}-{SUFFIX[dtype]}-{digest.hexdigest()[:16]}.so")
         if not os.path.exists(lib_path):
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(lib_path))
             os.close(fd)
-            subprocess.run([compiler, *CFLAGS, src, "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+            subprocess.run([compiler, *flags, src, "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
             os.replace(tmp, lib_path)  # atomic: concurrent builders never see half a file
         return ctypes.CDLL(lib_path)
     except (subprocess.CalledProcessError, OSError) as e:
@@ -82,8 +92,15 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(None if t is None else t.data_ptr())
 
 
-def _fp32_cpu(*tensors: torch.Tensor | None) -> bool:
-    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in tensors)
+def _cpu_elements(dtype: torch.dtype, *tensors: torch.Tensor | None) -> bool:
+    """All on the CPU in ``dtype``, a type the kernels are built for."""
+    return dtype in ELEMENT_FLAGS and all(t is None or (t.device.type == "cpu" and t.dtype == dtype) for t in tensors)
+
+
+def _kernel(library: str, name: str, dtype: torch.dtype):
+    """``name`` of ``library``'s ``dtype`` build (e.g. ``silu_mul_bf16``); None if unavailable."""
+    lib = load_library(library, dtype)
+    return None if lib is None else getattr(lib, f"{name}_{SUFFIX[dtype]}")
 
 
 def paged_decode_attention(
@@ -99,8 +116,7 @@ def paged_decode_attention(
     n, heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     if (
-        q.device.type != "cpu"
-        or not (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32)
+        not _cpu_elements(q.dtype, q, k_cache, v_cache)
         or heads % kv_heads
         or heads > 64
         or head_dim > 256
@@ -109,14 +125,14 @@ def paged_decode_attention(
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
     ):
         return None
-    lib = load_library("paged_decode_attention")
-    if lib is None:
+    kernel = _kernel("paged_decode_attention", "paged_decode_attention", q.dtype)
+    if kernel is None:
         return None
     q = q.contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
-    lib.paged_decode_attention_f32(
+    kernel(
         _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(tables), _ptr(lens), _ptr(out),
         ctypes.c_int(n), ctypes.c_int(heads), ctypes.c_int(kv_heads), ctypes.c_int(head_dim),
         ctypes.c_int(block_size), ctypes.c_int(tables.shape[1]), ctypes.c_float(scale),
@@ -132,18 +148,18 @@ def add_rms_norm(
     updated in place and returned as the new residual stream: ``(out, residual)``."""
     if (
         x.dim() != 2
-        or not _fp32_cpu(x, weight, residual)
+        or not _cpu_elements(x.dtype, x, weight, residual)
         or not weight.is_contiguous()
         or weight.numel() != x.shape[1]
         or (residual is not None and not (residual.is_contiguous() and residual.shape == x.shape))
     ):
         return None
-    lib = load_library("fused_ops")
-    if lib is None:
+    kernel = _kernel("fused_ops", "add_rms_norm", x.dtype)
+    if kernel is None:
         return None
     t, d = x.shape
-    out = torch.empty(t, d, dtype=torch.float32)
-    lib.add_rms_norm_f32(
+    out = torch.empty(t, d, dtype=x.dtype)
+    kernel(
         _ptr(x), ctypes.c_int64(x.stride(0)), ctypes.c_int64(x.stride(1)), _ptr(residual), _ptr(weight), _ptr(out),
         ctypes.c_int(t), ctypes.c_int(d), ctypes.c_float(eps),
     )
@@ -153,21 +169,21 @@ def add_rms_norm(
 def silu_mul(x: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` of a fused ``[T, 2I]`` gate|up projection, row- or column-major;
     the output ``[T, I]`` has the input's layout."""
-    if x.dim() != 2 or x.shape[1] % 2 or not _fp32_cpu(x):
+    if x.dim() != 2 or x.shape[1] % 2 or not _cpu_elements(x.dtype, x):
         return None
     t, i = x.shape[0], x.shape[1] // 2
     if x.stride(1) == 1:  # row-major: a token's features are contiguous
-        out = torch.empty(t, i, dtype=torch.float32)
+        out = torch.empty(t, i, dtype=x.dtype)
         outer, inner, stride, up, out_stride = t, i, x.stride(0), i, i
     elif x.stride(0) == 1:  # column-major: a feature's tokens are contiguous
-        out = torch.empty_strided((t, i), (1, t), dtype=torch.float32)
+        out = torch.empty_strided((t, i), (1, t), dtype=x.dtype)
         outer, inner, stride, up, out_stride = i, t, x.stride(1), i * x.stride(1), t
     else:
         return None
-    lib = load_library("fused_ops")
-    if lib is None:
+    kernel = _kernel("fused_ops", "silu_mul", x.dtype)
+    if kernel is None:
         return None
-    lib.silu_mul_f32(
+    kernel(
         _ptr(x), ctypes.c_int64(stride), ctypes.c_int64(up), _ptr(out), ctypes.c_int64(out_stride),
         ctypes.c_int(outer), ctypes.c_int(inner),
     )
@@ -199,7 +215,8 @@ def qkv_rope_store(
         or v_cache.shape != k_cache.shape
         or head_dim % 2
         or head_dim > 512
-        or not _fp32_cpu(qkv, cos, sin, k_cache, v_cache, q_norm, k_norm)
+        or not _cpu_elements(qkv.dtype, qkv, k_cache, v_cache, q_norm, k_norm)
+        or not _cpu_elements(torch.float32, cos, sin)
         or not (k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.is_contiguous())
         or slot_mapping.dtype != torch.int64
         or slot_mapping.device.type != "cpu"
@@ -214,13 +231,13 @@ def qkv_rope_store(
         or any(w is not None and not (w.is_contiguous() and w.numel() == head_dim) for w in (q_norm, k_norm))
     ):
         return None
-    lib = load_library("fused_ops")
-    if lib is None:
+    kernel = _kernel("fused_ops", "qkv_rope_store", qkv.dtype)
+    if kernel is None:
         return None
-    q = torch.empty(t, num_heads, head_dim, dtype=torch.float32)
-    k = torch.empty(t, num_kv_heads, head_dim, dtype=torch.float32)
-    v = torch.empty(t, num_kv_heads, head_dim, dtype=torch.float32)
-    lib.qkv_rope_store_f32(
+    q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype)
+    k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype)
+    v = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype)
+    kernel(
         _ptr(qkv), ctypes.c_int64(qkv.stride(0)), ctypes.c_int64(qkv.stride(1)), _ptr(q_norm), _ptr(k_norm),
         ctypes.c_float(eps), _ptr(cos), _ptr(sin), ctypes.c_int64(cos.stride(0)), _ptr(slot_mapping),
         _ptr(k_cache), _ptr(v_cache), _ptr(q), _ptr(k), _ptr(v),

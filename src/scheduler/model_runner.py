@@ -20,7 +20,7 @@ from kernels.triton_attention import decode_splits, triton_available
 
 from .config import EngineConfig, parse_memory_size
 from .cpu_malloc import keep_freed_memory
-from .device import free_memory_bytes, resolve_device, resolve_dtype, synchronize
+from .device import cpu_has_bf16, free_memory_bytes, resolve_device, resolve_dtype, synchronize
 from .model_config import ModelConfig
 from .model_source import resolve_model
 from .models import build_model
@@ -109,6 +109,9 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
             torch.set_flush_denormal(True)  # denormal activations slow x86 math by orders of magnitude
             keep_freed_memory()  # no page faults on every step's activations (cpu_malloc.py)
+            if self.dtype == torch.bfloat16 and not cpu_has_bf16():
+                logger.warning("this CPU has no bf16 instructions: torch emulates them, and bfloat16 runs "
+                               "slower than float32 here")
         torch.manual_seed(config.seed)
 
         loaded = loaded or load_model(config)
