@@ -244,3 +244,28 @@ def qkv_rope_store(
         ctypes.c_int(t), ctypes.c_int(num_heads), ctypes.c_int(num_kv_heads), ctypes.c_int(head_dim),
     )
     return q, k, v
+
+
+# -- projections of a few rows (csrc/gemv.c) ---------------------------------------------------
+SMALL_BATCH_MAX_ROWS = 4  # MAX_ROWS in gemv.c
+
+
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x @ weight.T + bias`` for ``x [M <= 4, K]``: a memory-bound pass over the weights,
+    streamed at about twice the rate of torch's GEMM (see gemv.c)."""
+    if (
+        x.dim() != 2
+        or x.shape[0] > SMALL_BATCH_MAX_ROWS
+        or x.shape[1] % 32
+        or weight.shape[1] != x.shape[1]
+        or not _cpu_elements(x.dtype, x, weight, bias)
+        or not (x.is_contiguous() and weight.is_contiguous() and (bias is None or bias.is_contiguous()))
+    ):
+        return None
+    kernel = _kernel("gemv", "small_batch_linear", x.dtype)
+    if kernel is None:
+        return None
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    if kernel(_ptr(x), _ptr(weight), _ptr(bias), _ptr(out), x.shape[0], weight.shape[0], x.shape[1]) != 0:
+        return None
+    return out
