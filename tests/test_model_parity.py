@@ -125,6 +125,13 @@ def test_bundled_greedy_and_logits_match_hf(bundled):
     print(f"bundled: max |logit diff| vs HF {worst:.2e}")
 
 
+def test_bundled_single_sequence_decode_matches_hf(bundled):
+    """One sequence decodes through the native few-row projections (csrc/gemv.c)."""
+    config, ours, hf, _, prompts = bundled
+    outs, _ = PagedRunner(ours, config).generate([prompts[4]], 32, set(config.eos_token_ids))
+    assert outs[0] == hf_reference(hf, prompts[4], 32)[0]
+
+
 def _agreeing_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
