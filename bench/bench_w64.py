@@ -46,11 +46,13 @@ from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.device import cpu_has_bf16  # noqa: E402
 from scheduler.messages import SamplingParams  # noqa: E402
 
-SHORT = {"float32": "", "bfloat16": "bf16"}  # run names and keys: fp32 runs keep W64's plain ones
+# Run names and keys: fp32 runs (and "auto", the engine's own choice: fp32 on the CPU, bf16 on
+# GPUs, as HF's baseline there) keep W64's plain ones.
+SHORT = {"float32": "", "bfloat16": "bf16"}
 
 
 def dtype_label(dtype: str) -> str:
-    return f", {SHORT[dtype]}" if SHORT[dtype] else ""
+    return f", {SHORT[dtype]}" if SHORT.get(dtype) else ""
 
 
 def w64_workload(n: int = 64) -> list[tuple[list[int], int]]:
@@ -94,7 +96,7 @@ def summarize(name: str, wall: float, per_request: list[tuple[float, float, int]
 
 
 # -- (a) offline engine -------------------------------------------------------------------
-def run_engine(work, args, sampling: str = "greedy", dtype: str = "float32") -> dict:
+def run_engine(work, args, sampling: str = "greedy", dtype: str = "auto") -> dict:
     from scheduler.engine import Engine
 
     config = EngineConfig(model=args.model, device=args.device, dtype=dtype, max_running_requests=len(work),
@@ -170,7 +172,7 @@ def _children(pid: int) -> list[int]:
         return [int(c) for c in f.read().split()]
 
 
-def run_daemon(work, args, sampling: str = "greedy", dtype: str = "float32") -> dict:
+def run_daemon(work, args, sampling: str = "greedy", dtype: str = "auto") -> dict:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     import grpc
 
@@ -277,7 +279,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch threads (W64 specifies 2)")
     ap.add_argument("--kv-cache-tokens", type=int, default=32768)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's own")
-    ap.add_argument("--skip", default="", help="comma list of engine,daemon,hf to skip")
+    ap.add_argument("--skip", default="", help="comma list of engine,daemon,hf to skip (in every dtype)")
     ap.add_argument("--json", default=None, help="write the numbers to this file")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds of the engine and daemon runs, interleaved; each reports its upper median (HF runs once)")
@@ -288,7 +290,7 @@ def main() -> int:
                     help="comma list of float32,bfloat16 (default: both where the CPU has bf16 instructions)")
     args = ap.parse_args()
     default_dtypes = "float32,bfloat16" if args.device == "cpu" and cpu_has_bf16() else "float32"
-    dtypes = (args.dtypes or default_dtypes).split(",")
+    dtypes = list(dict.fromkeys(d.strip() for d in (args.dtypes or default_dtypes).split(",")))
     if not set(dtypes) <= set(SHORT):
         ap.error(f"--dtypes: choose from {', '.join(SHORT)}")
     torch.set_num_threads(args.threads)

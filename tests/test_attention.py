@@ -98,3 +98,14 @@ def test_native_decode_kernel_matches_torch_path_on_long_sequences(dtype, head_d
     assert native.dtype == dtype
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}
     torch.testing.assert_close(native, expected, **tol)
+
+
+def test_native_decode_kernel_declines_what_it_does_not_read():
+    q = torch.randn(2, H, D)
+    k_cache = torch.zeros(8, BS, HKV, D)
+    tables, lens = torch.tensor([[1, 2], [3, 4]]), torch.tensor([5, 8])
+    args = (k_cache, k_cache.clone(), tables, lens, 0.125)
+    assert cpu_kernels.paged_decode_attention(q.bfloat16(), *args) is None  # bf16 query, fp32 cache
+    assert cpu_kernels.paged_decode_attention(q, k_cache, torch.zeros(8, BS, HKV, 2 * D), tables, lens, 0.125) is None
+    assert cpu_kernels.paged_decode_attention(q, k_cache, k_cache, tables[:1], lens, 0.125) is None  # a table short
+    assert cpu_kernels.paged_decode_attention(q, k_cache, k_cache, tables, torch.tensor([5, 9]), 0.125) is None  # 9 > 2 blocks

@@ -24,7 +24,7 @@ def test_linear_matches_f_linear(rows, with_bias, columns):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_small_batch_linear_matches_f_linear(dtype, rows, with_bias):
+def test_few_rows_linear_matches_f_linear(dtype, rows, with_bias):
     """The native few-row kernel (csrc/gemv.c), which ``linear`` takes for <= 4 rows."""
     from kernels import cpu_kernels
 
@@ -34,7 +34,7 @@ def test_small_batch_linear_matches_f_linear(dtype, rows, with_bias):
     x = torch.randn(rows, 576, generator=g).to(dtype)
     w = torch.randn(1000, 576, generator=g).to(dtype)
     b = torch.randn(1000, generator=g).to(dtype) if with_bias else None
-    out = cpu_kernels.small_batch_linear(x, w, b)
+    out = cpu_kernels.few_rows_linear(x, w, b)
     assert out is not None and out.dtype == dtype and out.shape == (rows, 1000)
     # The reference in fp32 on the same values: both accumulate in fp32 and round once.
     expected = F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
@@ -43,12 +43,14 @@ def test_small_batch_linear_matches_f_linear(dtype, rows, with_bias):
     torch.testing.assert_close(linear(x, w, b), out, rtol=0, atol=0)
 
 
-def test_small_batch_linear_declines_what_it_does_not_read():
+def test_few_rows_linear_declines_what_it_does_not_read():
     from kernels import cpu_kernels
 
     x, w = torch.randn(2, 64), torch.randn(8, 64)
-    assert cpu_kernels.small_batch_linear(torch.randn(5, 64), w) is None  # more rows than it unrolls
-    assert cpu_kernels.small_batch_linear(torch.randn(2, 40), torch.randn(8, 40)) is None  # K % 32
-    assert cpu_kernels.small_batch_linear(x.t().contiguous().t(), w) is None  # column-major x
-    assert cpu_kernels.small_batch_linear(x.half(), w.half()) is None  # no fp16 build
+    assert cpu_kernels.few_rows_linear(torch.randn(5, 64), w) is None  # more rows than it unrolls
+    assert cpu_kernels.few_rows_linear(torch.randn(2, 40), torch.randn(8, 40)) is None  # K % 32
+    assert cpu_kernels.few_rows_linear(x.t().contiguous().t(), w) is None  # column-major x
+    assert cpu_kernels.few_rows_linear(x.half(), w.half()) is None  # no fp16 build
+    assert cpu_kernels.few_rows_linear(x, w, torch.randn(7)) is None  # a bias that is not one per output
+    assert cpu_kernels.few_rows_linear(x, w.view(2, 4, 64)) is None
     assert linear(torch.randn(2, 40), torch.randn(8, 40)).shape == (2, 8)  # linear falls back to torch

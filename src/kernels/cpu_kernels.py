@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import glob
 import hashlib
 import logging
 import os
@@ -57,7 +58,7 @@ def load_library(name: str, dtype: torch.dtype = torch.float32) -> ctypes.CDLL |
     tmp = None
     try:
         digest = hashlib.sha256(" ".join(flags).encode() + _cpu_signature().encode())
-        for path in (src, os.path.join(CSRC, "elem.h")):
+        for path in [src, *sorted(glob.glob(os.path.join(CSRC, "*.h")))]:
             with open(path, "rb") as f:
                 digest.update(f.read())
         lib_path = os.path.join(_cache_dir(), f"{name}-{SUFFIX[dtype]}-{digest.hexdigest()[:16]}.so")
@@ -117,6 +118,11 @@ def paged_decode_attention(
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     if (
         not _cpu_elements(q.dtype, q, k_cache, v_cache)
+        or k_cache.shape[-1] != head_dim
+        or v_cache.shape != k_cache.shape
+        or block_tables.dim() != 2
+        or block_tables.shape[0] != n
+        or seq_lens.shape != (n,)
         or heads % kv_heads
         or heads > 64
         or head_dim > 256
@@ -131,6 +137,8 @@ def paged_decode_attention(
     q = q.contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lens = seq_lens.to(torch.int64).contiguous()
+    if n and int(lens.max()) > tables.shape[1] * block_size:  # the kernel would read past a table row
+        return None
     out = torch.empty_like(q)
     kernel(
         _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(tables), _ptr(lens), _ptr(out),
@@ -247,22 +255,24 @@ def qkv_rope_store(
 
 
 # -- projections of a few rows (csrc/gemv.c) ---------------------------------------------------
-SMALL_BATCH_MAX_ROWS = 4  # MAX_ROWS in gemv.c
+FEW_ROWS_MAX = 4  # MAX_ROWS in gemv.c
 
 
-def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``x @ weight.T + bias`` for ``x [M <= 4, K]``: a memory-bound pass over the weights,
     streamed at about twice the rate of torch's GEMM (see gemv.c)."""
     if (
         x.dim() != 2
-        or x.shape[0] > SMALL_BATCH_MAX_ROWS
+        or x.shape[0] > FEW_ROWS_MAX
         or x.shape[1] % 32
+        or weight.dim() != 2
         or weight.shape[1] != x.shape[1]
+        or (bias is not None and bias.shape != (weight.shape[0],))
         or not _cpu_elements(x.dtype, x, weight, bias)
         or not (x.is_contiguous() and weight.is_contiguous() and (bias is None or bias.is_contiguous()))
     ):
         return None
-    kernel = _kernel("gemv", "small_batch_linear", x.dtype)
+    kernel = _kernel("gemv", "few_rows_linear", x.dtype)
     if kernel is None:
         return None
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)

@@ -4,7 +4,7 @@ Three shapes are slow with torch 2.13's CPU GEMMs as ``F.linear``, measured rath
 explained (2-core EPYC, SmolLM2 shapes, in-process A/B):
 
 * A few rows (decode of one to four requests): a pass over the weights that torch reads
-  from DRAM at ~12 GB/s; the native ``small_batch_linear`` (csrc/gemv.c) streams them at
+  from DRAM at ~12 GB/s; the native ``few_rows_linear`` (csrc/gemv.c) streams them at
   22-32 GB/s: the 30 layers' projections at one row take 35 -> 13 ms in fp32 and
   16 -> 7 ms in bf16, at four rows 47 -> 19 and 18 -> 13 ms.
 
@@ -41,8 +41,8 @@ def linear(
     any strides (the fused kernels in ``cpu_kernels``), saving the transpose copy."""
     if x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)
-    if x.shape[0] <= cpu_kernels.SMALL_BATCH_MAX_ROWS:
-        out = cpu_kernels.small_batch_linear(x, weight, bias)
+    if x.shape[0] <= cpu_kernels.FEW_ROWS_MAX:
+        out = cpu_kernels.few_rows_linear(x, weight, bias)
         if out is not None:
             return out
     if weight.shape[0] >= WIDE_MIN_COLUMNS:

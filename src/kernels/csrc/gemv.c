@@ -47,7 +47,7 @@ static void gemv_rows(const float *xf, const elem_t *w, const elem_t *bias, elem
     }
 }
 
-int KERNEL(small_batch_linear)(const elem_t *x, const elem_t *w, const elem_t *bias, elem_t *out, int M, int N,
+int KERNEL(few_rows_linear)(const elem_t *x, const elem_t *w, const elem_t *bias, elem_t *out, int M, int N,
                                int K) {
     if (M > MAX_ROWS || K % 32) return -1;
     float *xf = aligned_alloc(32, sizeof(float) * (size_t)M * K);

@@ -137,9 +137,16 @@ void KERNEL(paged_decode_attention)(const elem_t *q, const elem_t *k_cache, cons
     for (int i = 0; i < n; i++) {
         const int64_t seq = seq_lens[i];
         const int64_t *table = block_tables + (int64_t)i * max_blocks;
-        float qi[MAX_HEADS * MAX_DIM] __attribute__((aligned(32)));
+        /* Per-thread buffers sized by the real shapes (a few KB for common models): a
+         * worker thread's stack may be small (OMP_STACKSIZE, musl's 128 KB). */
+#ifdef ELEM_BF16
+        float qi[H * D] __attribute__((aligned(32)));
         for (int j = 0; j < H * D; j++) qi[j] = ld(q[(int64_t)i * H * D + j]);
-        float acc[MAX_HEADS * MAX_DIM] __attribute__((aligned(32)));
+        float kv[block_size * D] __attribute__((aligned(32))); /* one block of K, then of V */
+#else
+        const float *qi = q + (int64_t)i * H * D;
+#endif
+        float acc[H * D] __attribute__((aligned(32)));
         float m[MAX_HEADS], l[MAX_HEADS], corr[MAX_HEADS], s[MAX_HEADS][MAX_BLOCK];
         for (int hq = 0; hq < H; hq++) {
             m[hq] = -FLT_MAX;
@@ -154,11 +161,9 @@ void KERNEL(paged_decode_attention)(const elem_t *q, const elem_t *k_cache, cons
             const int len = (int)(seq - start < block_size ? seq - start : block_size);
             for (int h = 0; h < Hkv; h++) {
 #ifdef ELEM_BF16
-                float kb[MAX_BLOCK * MAX_DIM] __attribute__((aligned(32)));
-                float vb[MAX_BLOCK * MAX_DIM] __attribute__((aligned(32)));
+                const float *kb = kv, *vb = kv;
                 const int kv_stride = D;
-                widen_rows(k_cache + base * row_stride + (int64_t)h * D, len, row_stride, NV, kb);
-                widen_rows(v_cache + base * row_stride + (int64_t)h * D, len, row_stride, NV, vb);
+                widen_rows(k_cache + base * row_stride + (int64_t)h * D, len, row_stride, NV, kv);
 #else
                 const float *kb = k_cache + base * row_stride + (int64_t)h * D;
                 const float *vb = v_cache + base * row_stride + (int64_t)h * D;
@@ -182,6 +187,9 @@ void KERNEL(paged_decode_attention)(const elem_t *q, const elem_t *k_cache, cons
                 }
                 float *ah = acc + (int64_t)h * G * D;
                 if (next >= 0) prefetch_slice(v_cache + next + (int64_t)h * slice, slice);
+#ifdef ELEM_BF16
+                widen_rows(v_cache + base * row_stride + (int64_t)h * D, len, row_stride, NV, kv); /* K is done */
+#endif
                 if (D == 64)
                     block_values_d64(ah, vb, len, kv_stride, G, NV, corr, sh);
                 else if (D == 128)
