@@ -8,7 +8,8 @@ and prints output tok/s, TTFT and ITL (mean, p50, p99) for each, with ratios to 
 
 --dtypes runs each of (a), (b), (c) once per dtype: float32 (W64's, the CPU default) and,
 where the CPU has bf16 instructions, bfloat16 (``--dtype bfloat16``); each bf16 run's ratio
-is also given against HF in bf16.
+is also given against HF in bf16. In each dtype, W64's first request is also run alone
+through (a) and through HF (batch 1): the latency one user sees (``--no-single`` skips it).
 
 --sampling picks the sampling parameters of (a) and (b):
   greedy (default): every request greedy, as W64 specifies;
@@ -96,6 +97,15 @@ def summarize(name: str, wall: float, per_request: list[tuple[float, float, int]
 
 
 # -- (a) offline engine -------------------------------------------------------------------
+def single(run, **kw):
+    """``run`` on W64's first request alone: one user's latency (key suffix ``_1req``)."""
+    def run_one(work, args, dtype: str = "auto") -> dict:
+        r = run(work[:1], args, dtype=dtype, **kw)
+        r["name"] = r["name"].replace("(offline", "(offline, 1 request").replace("batch 16", "batch 1")
+        return r
+    return run_one
+
+
 def run_engine(work, args, sampling: str = "greedy", dtype: str = "auto") -> dict:
     from scheduler.engine import Engine
 
@@ -286,6 +296,7 @@ def main() -> int:
     ap.add_argument("--sampling", choices=("greedy", "mixed", "both"), default="greedy",
                     help="greedy: all greedy (W64); mixed: alternate greedy and sampled+penalties for (a) and (b); "
                          "both: (a) all-greedy and mixed side by side with the ratio (b, c stay greedy)")
+    ap.add_argument("--no-single", action="store_true", help="skip the single-request latency runs")
     ap.add_argument("--dtypes", default=None,
                     help="comma list of float32,bfloat16 (default: both where the CPU has bf16 instructions)")
     args = ap.parse_args()
@@ -312,6 +323,11 @@ def main() -> int:
         if SHORT[dtype]:
             plan += [(f"{kind}_{SHORT[dtype]}", lambda w, a, fn=fn, dtype=dtype: fn(w, a, dtype=dtype))
                      for kind, fn in (("engine", run_engine), ("daemon", run_daemon), ("hf", run_hf))]
+    if not args.no_single:
+        for dtype in dtypes:
+            suffix = f"_1req_{SHORT[dtype]}" if SHORT[dtype] else "_1req"
+            plan += [(kind + suffix, lambda w, a, fn=fn, dtype=dtype: fn(w, a, dtype=dtype))
+                     for kind, fn in (("engine", single(run_engine)), ("hf", single(run_hf, batch_size=1)))]
     # --repeat N runs the engine and daemon rounds N times, interleaved (E D E D ...), and keeps
     # each one's median: this machine's speed drifts by +-10% over minutes, so a single pair
     # can show a daemon/engine ratio the code does not cause.
@@ -330,17 +346,20 @@ def main() -> int:
             runs[key]["all_tok_per_s"] = [round(r["tok_per_s"], 1) for r in rs]
 
     base = runs.get("hf")
-    print(f"\n{'run':40s} {'tok/s':>8s} {'x HF':>6s} {'x HF same dtype':>16s} {'TTFT mean/p50/p99 (s)':>24s} "
+    print(f"\n{'run':40s} {'tok/s':>8s} {'x HF':>6s} {'x its HF':>9s} {'TTFT mean/p50/p99 (s)':>24s} "
           f"{'ITL mean/p50/p99 (ms)':>24s}")
     for key, r in runs.items():
         ratio = f"{r['tok_per_s'] / base['tok_per_s']:.2f}" if base else "-"
-        same = runs.get("hf_" + key.split("_", 1)[1]) if key.endswith(tuple(f"_{s}" for s in SHORT.values() if s)) else base
+        # Its own HF baseline: the HF run of the same dtype and batching ("engine_1req_bf16" ->
+        # "hf_1req_bf16"), else (a sampling variant) the plain one.
+        same = runs.get("hf" + key[len(key.split("_")[0]):], base)
         r["x_hf"] = r["tok_per_s"] / base["tok_per_s"] if base else None
-        r["x_hf_same_dtype"] = r["tok_per_s"] / same["tok_per_s"] if same else None
-        same_ratio = f"{r['x_hf_same_dtype']:.2f}" if same else "-"
+        r["x_its_hf"] = r["tok_per_s"] / same["tok_per_s"] if same else None
+        same_ratio = f"{r['x_its_hf']:.2f}" if same else "-"
         t, i = r["ttft_s"], r["itl_s"]
-        print(f"{r['name']:40s} {r['tok_per_s']:8.1f} {ratio:>6s} {same_ratio:>16s} "
+        print(f"{r['name']:40s} {r['tok_per_s']:8.1f} {ratio:>6s} {same_ratio:>9s} "
               f"{t['mean']:8.2f}/{t['p50']:.2f}/{t['p99']:.2f} {i['mean'] * 1e3:9.1f}/{i['p50'] * 1e3:.1f}/{i['p99'] * 1e3:.1f}")
+    print("x HF: against HF fp32 static batch 16; x its HF: against the HF run of the same dtype and batch")
     if "engine" in runs and "engine_bf16" in runs:
         print(f"engine bf16 / fp32 throughput: {runs['engine_bf16']['tok_per_s'] / runs['engine']['tok_per_s']:.3f}")
     if "engine" in runs and "daemon" in runs:
