@@ -4,7 +4,7 @@
  *
  *   elem_t      the stored element
  *   ld(x)       elem_t -> float;  st(f): float -> elem_t
- *   load8(p)    8 consecutive elements -> v8 (8 floats)
+ *   load8(p)    8 consecutive elements -> v8 (8 floats);  hsum(v): the sum of a v8
  *   KERNEL(f)   the exported name: f_f32 or f_bf16
  */
 #ifndef SERVICER_ELEM_H
@@ -48,5 +48,11 @@ static inline float ld(elem_t x) { return x; }
 static inline elem_t st(float f) { return f; }
 static inline v8 load8(const elem_t *p) { return *(const v8 *)p; }
 #endif
+
+static inline float hsum(v8 x) {
+    float s = 0.f;
+    for (int i = 0; i < 8; i++) s += x[i];
+    return s;
+}
 
 #endif

@@ -34,12 +34,6 @@
 #define MAX_BLOCK 64
 #define MAX_DIM 256
 
-static inline float hsum(v8 x) {
-    float s = 0.f;
-    for (int i = 0; i < 8; i++) s += x[i];
-    return s;
-}
-
 /* Ask for a slice of the next block while this one is computed. Blocks sit anywhere in the
  * cache, so the hardware prefetcher loses the stream at every block edge. The next block's
  * K and V are requested in 2 * Hkv slices, one before each scores / values pass of the
