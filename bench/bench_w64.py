@@ -236,7 +236,7 @@ def run_daemon(work, args, sampling: str = "greedy", dtype: str = "auto") -> dic
 
 
 # -- (c) HF transformers static batching ---------------------------------------------------
-def run_hf(work, args, batch_size: int = 16, dtype: str = "float32") -> dict:
+def run_hf(work, args, batch_size: int = 16, dtype: str = "auto") -> dict:
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
     from scheduler.model_source import resolve_model
@@ -248,7 +248,7 @@ def run_hf(work, args, batch_size: int = 16, dtype: str = "float32") -> dict:
                                                      dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
-    if device.type == "cpu":
+    if device.type == "cpu" and dtype != "auto":  # (auto: fp32 on the CPU, bf16 on a GPU, as loaded)
         model = model.to(getattr(torch, dtype))
     model = model.to(device).eval()
 
@@ -326,7 +326,8 @@ def main() -> int:
     if not args.no_single:
         for dtype in dtypes:
             suffix = f"_1req_{SHORT[dtype]}" if SHORT[dtype] else "_1req"
-            plan += [(kind + suffix, lambda w, a, fn=fn, dtype=dtype: fn(w, a, dtype=dtype))
+            run_dtype = dtype if SHORT[dtype] else "auto"  # the plain runs' dtype
+            plan += [(kind + suffix, lambda w, a, fn=fn, dtype=run_dtype: fn(w, a, dtype=dtype))
                      for kind, fn in (("engine", single(run_engine)), ("hf", single(run_hf, batch_size=1)))]
     # --repeat N runs the engine and daemon rounds N times, interleaved (E D E D ...), and keeps
     # each one's median: this machine's speed drifts by +-10% over minutes, so a single pair
