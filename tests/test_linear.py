@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_kernels
 from kernels.linear import COLUMN_BLOCK, TRANSPOSED_MAX_ROWS, WIDE_MIN_COLUMNS, linear
 
 
@@ -26,8 +27,6 @@ def test_linear_matches_f_linear(rows, with_bias, columns):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_few_rows_linear_matches_f_linear(dtype, rows, with_bias):
     """The native few-row kernel (csrc/gemv.c), which ``linear`` takes for <= 4 rows."""
-    from kernels import cpu_kernels
-
     if cpu_kernels.load_library("gemv", dtype) is None:
         pytest.skip("no C compiler: native kernel unavailable")
     g = torch.Generator().manual_seed(rows)
@@ -44,8 +43,6 @@ def test_few_rows_linear_matches_f_linear(dtype, rows, with_bias):
 
 
 def test_few_rows_linear_declines_what_it_does_not_read():
-    from kernels import cpu_kernels
-
     x, w = torch.randn(2, 64), torch.randn(8, 64)
     assert cpu_kernels.few_rows_linear(torch.randn(5, 64), w) is None  # more rows than it unrolls
     assert cpu_kernels.few_rows_linear(torch.randn(2, 40), torch.randn(8, 40)) is None  # K % 32

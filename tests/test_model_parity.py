@@ -125,11 +125,26 @@ def test_bundled_greedy_and_logits_match_hf(bundled):
     print(f"bundled: max |logit diff| vs HF {worst:.2e}")
 
 
-def test_bundled_single_sequence_decode_matches_hf(bundled):
+def test_bundled_single_sequence_decode_matches_hf(bundled, monkeypatch):
     """One sequence decodes through the native few-row projections (csrc/gemv.c)."""
+    from kernels import cpu_kernels
+
+    if cpu_kernels.load_library("gemv") is None:
+        pytest.skip("no C compiler: native kernel unavailable")
+    native_calls = []
+    few_rows_linear = cpu_kernels.few_rows_linear
+
+    def counted(*args):
+        out = few_rows_linear(*args)
+        native_calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_kernels, "few_rows_linear", counted)
     config, ours, hf, _, prompts = bundled
     outs, _ = PagedRunner(ours, config).generate([prompts[4]], 32, set(config.eos_token_ids))
     assert outs[0] == hf_reference(hf, prompts[4], 32)[0]
+    # Every projection of the 31 decode steps (4 per layer, and the LM head) took the kernel.
+    assert sum(native_calls) >= 31 * (4 * config.num_layers + 1)
 
 
 def _agreeing_prefix(a: list[int], b: list[int]) -> int:
