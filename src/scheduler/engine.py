@@ -241,6 +241,7 @@ class Engine:
         window = s.recent_tokens
         span = (window[-1][0] - window[0][0]) if len(window) > 1 else 0.0
         self.load = LoadSnapshot(
+            version=self.load.version + 1,
             step=s.steps,
             num_running=len(sched.running),
             num_waiting=len(sched.waiting) + len(sched.held),

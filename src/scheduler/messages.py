@@ -113,6 +113,9 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
 class LoadSnapshot(msgspec.Struct):
     """The scheduler's load, refreshed after every step (read by GetLoads and health)."""
 
+    # Counts refreshes. Heartbeats travel on their own socket, so one carrying an older
+    # snapshot can arrive after a step's output: the reader keeps the highest version.
+    version: int = 0
     step: int = 0
     num_running: int = 0
     num_waiting: int = 0

@@ -163,13 +163,13 @@ class SchedulerClient:
             self.liveness.last_message = time.monotonic()
             if isinstance(msg, StepOutput):
                 if msg.load is not None:  # before the outputs: a finished request is no longer counted
-                    self.liveness.load = msg.load
+                    self._take_load(msg.load)
                 for out in msg.outputs:
                     queue = self._requests.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
             elif isinstance(msg, Heartbeat):
-                self.liveness.load = msg.load
+                self._take_load(msg.load)
                 self.liveness.in_step_s = msg.in_step_s
             elif isinstance(msg, ControlReply):
                 fut = self._calls.pop(msg.call_id, None)
@@ -185,6 +185,11 @@ class SchedulerClient:
                     self.kv_event_listener(msg)
                 except Exception:  # never let a listener stop the read loop
                     logger.exception("KV event listener failed")
+
+    def _take_load(self, load: LoadSnapshot) -> None:
+        """Keep the newest snapshot: a heartbeat may overtake, or trail, a step's output."""
+        if load.version >= self.liveness.load.version:
+            self.liveness.load = load
 
     # -- requests --------------------------------------------------------------------
     def in_flight_ids(self) -> list[str]:
