@@ -143,8 +143,8 @@ def build_varlen(
     starts = np.zeros(len(fields) + 1, dtype=np.int64)
     np.cumsum([-(-f.size // 2) * 2 for f in fields], out=starts[1:])  # int64 pairs: 16 bytes
     host = np.zeros(int(starts[-1]), dtype=np.int64)
-    for field, start in zip(fields, starts):
-        host[start : start + field.size] = field.ravel()
+    for arr, start in zip(fields, starts):
+        host[start : start + arr.size] = arr.ravel()
     packed = upload(host) if upload is not None else torch.from_numpy(host).to(device, non_blocking=True)
     slots, pos, qsl, seq, table = (packed[a : a + f.size] for f, a in zip(fields, starts))
     return AttentionMetadata(
