@@ -10,6 +10,7 @@ test session, whether it passed, failed or was interrupted. HTTP goes through th
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -67,11 +68,18 @@ def install_sigterm_cleanup() -> None:
     signal.signal(signal.SIGTERM, _on_term)
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct TCP ports that were free a moment ago (each socket stays bound until
+    all are chosen, so two calls in a row cannot hand out the same port)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
 
 
 def find_executable(name: str) -> str:
@@ -383,8 +391,9 @@ class Router(_ManagedProcess):
     ):
         super().__init__(log_dir)
         self.host = "127.0.0.1"
-        self.port = port or free_port()
-        self.prometheus_port = prometheus_port or free_port()
+        spare = iter(free_ports(2))
+        self.port = port or next(spare)
+        self.prometheus_port = prometheus_port or next(spare)
         self.base_url = f"http://{self.host}:{self.port}"
         self.worker_url = f"grpc://127.0.0.1:{worker_port}"
         self.start_timeout_s = start_timeout_s

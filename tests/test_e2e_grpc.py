@@ -108,12 +108,21 @@ def sched_stat(stub, key):
     return fields[key].number_value
 
 
+def num_busy(stub) -> int:
+    """Requests the servicer has in flight plus those the scheduler still runs or queues
+    (a cancelled request leaves the servicer at once and the scheduler a step later)."""
+    info = server_info(stub)
+    fields = info.scheduler_info.fields
+    queued = sum(int(fields[k].number_value) for k in ("num_running_reqs", "num_waiting_reqs") if k in fields)
+    return info.active_requests + queued
+
+
 def wait_idle(stub, timeout=15.0):
-    """Wait until the daemon reports no active requests; returns the last count."""
+    """Wait until neither the servicer nor the scheduler holds a request; returns the last count."""
     deadline = time.monotonic() + timeout
     n = None
     while time.monotonic() < deadline:
-        n = server_info(stub).active_requests
+        n = num_busy(stub)
         if n == 0:
             return 0
         time.sleep(0.2)
@@ -396,7 +405,8 @@ def test_an_id_clashing_with_a_sequence_id_in_flight_is_refused(grpc_stub, story
     """n > 1 runs its sequences as "<id>-n<i>": a caller's id equal to one of them (or an
     n > 1 call whose sequence ids equal a caller's id) must not cross their outputs."""
     rid = f"clash-{uuid.uuid4().hex[:8]}"
-    first = make_request(story, max_new_tokens=24, rid=rid if first_n == 2 else f"{rid}-n0",
+    # long enough that a stalled test thread still finds it in flight (~20 ms a token)
+    first = make_request(story, max_new_tokens=96, rid=rid if first_n == 2 else f"{rid}-n0",
                          stream=True, ignore_eos=True, n=first_n)
     call = grpc_stub.Generate(first, timeout=RPC_TIMEOUT)
     next(call)  # in flight now
@@ -518,9 +528,12 @@ def test_health_check_rpc_is_fast(grpc_stub):
 
 def test_health_check_rpc_fast_under_load(grpc_stub, story):
     """The router's first probe gives up after about 2 s; HealthCheck must not queue behind generation."""
-    with ThreadPoolExecutor(4) as ex:
-        futs = [ex.submit(greedy_ids, grpc_stub, story * 4, 48, ignore_eos=True) for _ in range(4)]
-        time.sleep(1.0)
+    # Four streams that generate until cancelled, so every probe meets a busy scheduler.
+    load = [grpc_stub.Generate(make_request(story * 4, max_new_tokens=2000, stream=True, ignore_eos=True),
+                               timeout=RPC_TIMEOUT) for _ in range(4)]
+    try:
+        for call in load:
+            next(call)  # generating now
         worst = 0.0
         for _ in range(5):
             t0 = time.monotonic()
@@ -528,8 +541,10 @@ def test_health_check_rpc_fast_under_load(grpc_stub, story):
             worst = max(worst, time.monotonic() - t0)
             assert h.healthy, h.message
             time.sleep(0.2)
-        for f in futs:
-            f.result(timeout=RPC_TIMEOUT)
+    finally:
+        for call in load:
+            call.cancel()
+    assert wait_idle(grpc_stub) == 0
     assert worst < 2.0, f"HealthCheck took {worst:.2f} s while generating"
 
 

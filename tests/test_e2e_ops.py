@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import SCHEDULER_SERVICE, Daemon, Router, _group_members, child_pids, find_executable
+from helpers import SCHEDULER_SERVICE, Daemon, Router, _group_members, child_pids, find_executable, http_get
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from test_e2e_grpc import RPC_TIMEOUT, make_request, one_complete, sched_stat, wait_idle
@@ -72,6 +72,23 @@ def pid_gone(pid: int) -> bool:
 
 def router_log(router: Router) -> str:
     return ANSI.sub("", router.log_path.read_text(errors="replace"))
+
+
+def router_stored_blocks(router: Router, daemon: Daemon) -> int:
+    """KV blocks of `daemon` the router has applied to its index (its Prometheus counter)."""
+    text = http_get(f"http://{router.host}:{router.prometheus_port}/metrics", timeout=10).text
+    label = f'worker="grpc://127.0.0.1:{daemon.port}",op="stored"'
+    found = [line for line in text.splitlines() if line.startswith("smg_kv_event_blocks_total{") and label in line]
+    return int(float(found[0].rsplit(" ", 1)[1])) if found else 0
+
+
+def wait_router_stored(router: Router, daemon: Daemon, at_least: int, timeout: float = 30.0) -> None:
+    """Wait until the router has indexed `at_least` stored blocks of `daemon`: the events
+    follow the request's output, so a routing check right after it would race them."""
+    deadline = time.monotonic() + timeout
+    while (n := router_stored_blocks(router, daemon)) < at_least:
+        assert time.monotonic() < deadline, f"the router applied {n} of {at_least} stored blocks of {daemon.address}"
+        time.sleep(0.05)
 
 
 # ------------------------------------------------------------------ 1. kill -9 of the scheduler
@@ -371,6 +388,7 @@ def test_cache_aware_routes_shared_prefix_to_the_daemon_holding_it(daemon, secon
                 assert len(served) == 1, (before, after)
                 return resp.json()["usage"], served[0]
 
+            stored_before = {k: router_stored_blocks(r, d) for k, d in workers.items()}
             usage0, holder = send(prefix)
             other = "B" if holder == "A" else "A"
             cached0 = (usage0.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
@@ -378,7 +396,8 @@ def test_cache_aware_routes_shared_prefix_to_the_daemon_holding_it(daemon, secon
             assert cached0 < 64, f"the first long prompt was already cached: {usage0}"
             hit_other = sched_stat(stubs[other], "cache_hit_rate")
             gen_other = sched_stat(stubs[other], "num_generated_tokens")
-            time.sleep(1.0)  # let the stored events reach the router
+            new_blocks = n_prefix // 16 - cached0 // 16  # the prompt's full blocks not cached before
+            wait_router_stored(r, workers[holder], stored_before[holder] + new_blocks)
 
             results = []
             for j, q in enumerate(["What happened next?", "Name the river.", "Count the stones.", "Summarise it."]):
@@ -400,8 +419,9 @@ def test_cache_aware_routes_shared_prefix_to_the_daemon_holding_it(daemon, secon
             # its requests there, while the first prefix's requests keep going to the holder.
             prefix2 = long_prefix(tokenizer, "vx" + uuid.uuid4().hex[:4])
             ids2 = tokenizer.encode(prefix2, add_special_tokens=False)
+            stored_before = router_stored_blocks(r, workers[other])
             complete(stubs[other], ids2)
-            time.sleep(1.0)  # let the stored events reach the router
+            wait_router_stored(r, workers[other], stored_before + len(ids2) // 16)
             mixed = []
             for j in range(2):
                 for p, want in ((prefix2, other), (prefix, holder)):

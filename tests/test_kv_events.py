@@ -260,7 +260,7 @@ def scenario_load_records():
         assert first.load.load_only and first.sequence_number == 0 and not first.events, first
         assert first.load.HasField("max_total_num_tokens") and first.load.max_total_num_tokens == 1024
         assert first.load.max_running_requests == 8 and first.load.memory.kv_cache_gb == 0.2
-        assert time.monotonic() - t0 < 0.8, "the first record should go out at the first 100 ms check"
+        assert time.monotonic() - t0 < 0.9, "the first record should go out at the first 100 ms check, not after 1 s"
 
         # A load change goes out at the next check, without telemetry.
         client.liveness.load = LoadSnapshot(
@@ -268,7 +268,7 @@ def scenario_load_records():
         )
         t1 = time.monotonic()
         changed = await call.read()
-        assert time.monotonic() - t1 < 0.8
+        assert time.monotonic() - t1 < 0.9  # the next 100 ms check, not the 1 s heartbeat
         assert changed.load.load_only and changed.sequence_number == 0
         assert (changed.load.running_requests, changed.load.waiting_requests) == (2, 3)
         assert abs(changed.load.token_usage - 0.25) < 1e-9
@@ -283,7 +283,7 @@ def scenario_load_records():
         beat = await call.read()
         waited = time.monotonic() - t2
         assert beat.load.load_only and beat.sequence_number == 1 and not beat.events
-        assert 0.8 < waited < 2.0, waited
+        assert 0.5 < waited < 3.0, waited  # due 1 s after `real` left the server (read here later)
         assert beat.load.HasField("max_total_num_tokens"), "heartbeats carry telemetry"
         assert beat.load.sample > real.load.sample > changed.load.sample
         call.cancel()
@@ -499,7 +499,7 @@ def test_e2e_idle_stream_heartbeats_load(grpc_stub):
     assert [b.load.sample for b in records] == sorted({b.load.sample for b in records})
     assert records[0].load.max_total_num_tokens > 0 and records[0].load.max_running_requests > 0
     assert all(b.load.running_requests == 0 and b.load.waiting_requests == 0 for b in records)
-    assert 1.5 < took < 4.0, took  # first at once, then one per second
+    assert 1.0 < took < 6.0, took  # first at once, then one per second (~2.1 s)
 
 
 if __name__ == "__main__":
