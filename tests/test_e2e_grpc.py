@@ -468,6 +468,32 @@ def test_client_cancel_frees_the_request(grpc_stub, story):
     assert wait_idle(grpc_stub) == 0, "the cancelled request is still active"
 
 
+def test_an_id_reused_right_after_a_cancel_gets_its_own_tokens(grpc_stub, story):
+    """A stream cancelled mid-way, then its id sent again at once: the new call is refused
+    (ALREADY_EXISTS) while the scheduler still holds the old request, and once admitted it
+    gets its own complete answer, never the old one's last token and abort notice; nothing
+    is left running afterwards."""
+    rid = f"reuse-{uuid.uuid4().hex[:8]}"
+    call = grpc_stub.Generate(make_request(story, max_new_tokens=200, rid=rid, stream=True, ignore_eos=True),
+                              timeout=RPC_TIMEOUT)
+    for i, _ in enumerate(call):
+        if i == 4:
+            break
+    call.cancel()
+    again = make_request(story, max_new_tokens=8, rid=rid, ignore_eos=True)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            (done,) = completes_of(generate(grpc_stub, again, timeout=60))
+            break
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.ALREADY_EXISTS, (e.code(), e.details())
+            assert time.monotonic() < deadline, "the cancelled request's id never came free"
+            time.sleep(0.02)
+    assert done.finish_reason == "length" and len(done.output_ids) == 8, done
+    assert wait_idle(grpc_stub) == 0, "a request is left running with nobody to receive it"
+
+
 # ------------------------------------------------------------------ info, loads, health
 
 

@@ -48,3 +48,49 @@ def test_a_trailing_heartbeat_never_brings_back_an_older_load():
             await client.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_cancelled_id_stays_taken_until_the_scheduler_lets_go_of_it():
+    """The caller of a request left: the client sends Abort and drops the request's
+    outputs; its id is free again only after the scheduler's final output for it, so a
+    new request reusing the id never receives the old one's tokens or abort notice."""
+    from scheduler.messages import AbortRequest, AddRequest, RequestOutput, SamplingParams, to_scheduler_decoder
+
+    def output(rid, tokens, finish=None):
+        return StepOutput([RequestOutput(rid, tokens, 3, 0, len(tokens), finish)], step=1, batch_size=1, num_tokens=1)
+
+    async def scenario():
+        client = SchedulerClient(EngineConfig(model="unused"))
+        client.ready.set()  # alive, without a scheduler process
+        reader = asyncio.create_task(client._read_loop())
+        inbox = client.ctx.socket(zmq.PULL)
+        inbox.connect(client.inbox_addr)
+        outbox = client.ctx.socket(zmq.PUSH)
+        outbox.connect(client.outbox_addr)
+        try:
+            old = asyncio.Queue()
+            client.submit(AddRequest("cz", [1, 2, 3], SamplingParams(max_new_tokens=50)), old)
+            assert isinstance(to_scheduler_decoder.decode(await inbox.recv()), AddRequest)
+            client.cancel("cz", "client cancelled")
+            abort = to_scheduler_decoder.decode(await inbox.recv())
+            assert isinstance(abort, AbortRequest) and abort.request_id == "cz"
+            assert client.has_request("cz") and client.num_in_flight == 1  # not reusable yet
+
+            await outbox.send(from_scheduler_encoder.encode(output("cz", [7])))  # a step already under way
+            await outbox.send(from_scheduler_encoder.encode(output("cz", [8], "abort")))
+            await _wait_for(lambda: not client.has_request("cz"))
+            assert old.empty() and client.num_in_flight == 0
+
+            new = asyncio.Queue()
+            client.submit(AddRequest("cz", [1, 2, 3], SamplingParams(max_new_tokens=2)), new)
+            await outbox.send(from_scheduler_encoder.encode(output("cz", [5, 6], "length")))
+            got = await asyncio.wait_for(new.get(), 5)
+            assert got.new_token_ids == [5, 6] and got.finish_reason == "length"
+        finally:
+            inbox.close(0)
+            outbox.close(0)
+            reader.cancel()
+            client._reader = reader
+            await client.stop()
+
+    asyncio.run(scenario())

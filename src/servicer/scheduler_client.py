@@ -49,6 +49,10 @@ class Liveness:
     load: LoadSnapshot = field(default_factory=LoadSnapshot)
 
 
+# Stands in for the queue of a cancelled request until the scheduler's final output for it.
+_DISCARD = object()
+
+
 class SchedulerClient:
     def __init__(self, config: EngineConfig, log_level: str = "info"):
         self.config = config
@@ -144,6 +148,9 @@ class SchedulerClient:
         self.dead_reason = reason
         self.died.set()
         # Wake every waiter: their requests cannot finish any more.
+        for rid, queue in list(self._requests.items()):
+            if queue is _DISCARD:
+                del self._requests[rid]
         for queue in set(self._requests.values()):
             queue.put_nowait(SchedulerUnavailable(reason))
         for fut in self._calls.values():
@@ -166,7 +173,10 @@ class SchedulerClient:
                     self._take_load(msg.load)
                 for out in msg.outputs:
                     queue = self._requests.get(out.request_id)
-                    if queue is not None:
+                    if queue is _DISCARD:
+                        if out.finish_reason is not None:  # a cancelled request is gone at last
+                            del self._requests[out.request_id]
+                    elif queue is not None:
                         queue.put_nowait(out)
             elif isinstance(msg, Heartbeat):
                 self._take_load(msg.load)
@@ -213,8 +223,20 @@ class SchedulerClient:
         self.to_scheduler.send(to_scheduler_encoder.encode(msg))
 
     def release(self, request_id: str) -> None:
-        """Forget a request's queue (after it finished or was aborted)."""
+        """Forget a finished request's queue (its final output has arrived)."""
         self._requests.pop(request_id, None)
+
+    def cancel(self, request_id: str, reason: str = "") -> None:
+        """Abort a request nobody waits for any more. Its id stays taken, its outputs
+        dropped, until the scheduler's final output for it arrives: a new request reusing
+        the id must never receive the old one's tokens or abort notice."""
+        if request_id not in self._requests:
+            return
+        if not self.alive:  # no final output will come
+            self._requests.pop(request_id)
+            return
+        self.abort(request_id, reason)
+        self._requests[request_id] = _DISCARD
 
     def abort(self, request_id: str, reason: str = "") -> bool:
         """Ask the scheduler to drop a request and free its KV; False if unknown here."""

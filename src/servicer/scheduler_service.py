@@ -107,7 +107,6 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         interval = sp.stream_interval if sp.HasField("stream_interval") and sp.stream_interval > 0 else 1
         self.children[rid] = ids
         queue: asyncio.Queue = asyncio.Queue()
-        finished = False
         started = time.monotonic()
         logger.debug("request %s: %d prompt tokens, n=%d, max_new_tokens=%s, stream=%s", rid,
                      len(base.input_ids), n, base.sampling.max_new_tokens, request.stream)
@@ -123,10 +122,12 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
                 if isinstance(item, Exception):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {item}")
                 out: RequestOutput = item
+                choice = choices[out.request_id]
+                if out.finish_reason is not None:
+                    choice.done = True  # the scheduler holds nothing of it any more
                 if out.error is not None:
                     code = getattr(grpc.StatusCode, out.error_code or "INTERNAL", grpc.StatusCode.INTERNAL)
                     await context.abort(code, out.error)
-                choice = choices[out.request_id]
                 choice.add(out)
                 pending = len(choice.output_ids) - choice.num_chunked
                 if request.stream and (
@@ -134,20 +135,19 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
                 ):
                     yield pb.GenerateResponse(request_id=rid, chunk=self._chunk(out, choice, request))
                 if out.finish_reason is not None:
-                    choice.done = True
                     remaining -= 1
                     logger.debug("request %s: %s after %d tokens (%d cached prompt tokens) in %.2f s", out.request_id,
                                  out.finish_reason, len(choice.output_ids), out.num_cached_tokens,
                                  time.monotonic() - started)
                     yield pb.GenerateResponse(request_id=rid, complete=self._complete(out, choice, request))
-            finished = True
         finally:
             # A cancelled call (client gone) or an error: stop the work and free the KV now.
             for cid, choice in choices.items():
-                if not finished and not choice.done:
+                if choice.done:
+                    self.client.release(cid)
+                else:
                     logger.debug("request %s: cancelled by the client or an error; aborting it", cid)
-                    self.client.abort(cid, "client cancelled")
-                self.client.release(cid)
+                    self.client.cancel(cid, "client cancelled")
             self.children.pop(rid, None)
 
     @staticmethod
