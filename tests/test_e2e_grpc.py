@@ -387,6 +387,10 @@ UNSERVABLE = {  # fields the daemon cannot honour, or asks too much of: (tweak, 
     "nan_repetition_penalty": (_with("sp.repetition_penalty", float("nan")), grpc.StatusCode.INVALID_ARGUMENT),
     "seed_over_64_bits": (_with("sp.seed", 1e20), grpc.StatusCode.INVALID_ARGUMENT),
     "fractional_seed": (_with("sp.seed", 1.5), grpc.StatusCode.INVALID_ARGUMENT),
+    # stop strings are checked on every token inside the step loop: their work is bounded
+    "too_many_stop_strings": (lambda r: r.sampling_params.stop.extend(f"s{i}" for i in range(65)),
+                              grpc.StatusCode.INVALID_ARGUMENT),
+    "stop_string_too_long": (lambda r: r.sampling_params.stop.append("q" * 513), grpc.StatusCode.INVALID_ARGUMENT),
 }
 
 

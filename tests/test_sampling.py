@@ -332,6 +332,28 @@ def feed_all(text, stops, trim=True, min_new=0):
     return req, safe
 
 
+def test_stop_string_held_back_text_equals_brute_force():
+    """The incremental (KMP) count of held-back characters equals the longest text suffix
+    that is a proper prefix of a stop, recomputed from scratch, on random small alphabets
+    (repetitive stops, overlapping and ignored matches included)."""
+    import random
+
+    from scheduler.stop_strings import StopStringChecker
+
+    def brute_force(text, stops):
+        return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+    rng = random.Random(0)
+    for trial in range(3000):
+        alphabet = "ab" if trial % 2 else "abc"
+        stops = ["".join(rng.choices(alphabet, k=rng.randint(1, 7))) for _ in range(rng.randint(1, 3))]
+        checker = StopStringChecker(CharTokenizer(), stops, [ord("x")])
+        for _ in range(rng.randint(1, 14)):
+            checker.feed(ord(rng.choice(alphabet)))
+            checker.num_safe_tokens()
+            assert max(checker.matched) == brute_force(checker.text, stops), (checker.text, stops)
+
+
 def test_stop_string_trimmed_and_held_back():
     req, safe = feed_all("hello STOP world", ["STOP"])
     assert req.finish_reason == "stop" and req.matched_stop_str == "STOP"

@@ -53,6 +53,12 @@ class StopStringChecker:
         self.text = ""  # the output's decoded text
         self.ends: list[int] = []  # per output token: len(text) through that token
         self.num_decoded = 0  # output tokens whose bytes are all in `text`
+        # Per stop, a KMP automaton: how long a prefix of it the text ends with (held back
+        # from streaming). Fed each new character once, so a request's stops cost O(new
+        # text x stops) a token, however long or repetitive they are.
+        self.failure = [_failure_function(s) for s in self.stops]
+        self.matched = [0] * len(self.stops)
+        self.num_scanned = 0  # characters of `text` fed to the automata
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -83,14 +89,37 @@ class StopStringChecker:
         stop, pos = best
         return stop, bisect.bisect_right(self.ends, pos)
 
+    def _advance_prefix_matchers(self) -> None:
+        new_text = self.text[self.num_scanned :]
+        self.num_scanned = len(self.text)
+        for j, (stop, fail) in enumerate(zip(self.stops, self.failure)):
+            k = self.matched[j]
+            for c in new_text:
+                while k and stop[k] != c:
+                    k = fail[k - 1]
+                if stop[k] == c:
+                    k += 1
+                if k == len(stop):  # a whole match (reported by feed): keep its longest proper border
+                    k = fail[k - 1]
+            self.matched[j] = k
+
     def num_safe_tokens(self) -> int:
         """Output tokens that can no longer be part of a stop string (all, when not trimming)."""
         if not self.trim:
             return len(self.ends)
-        held = 0  # longest text suffix that is a proper prefix of a stop string
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(self.text)), held, -1):
-                if self.text.endswith(stop[:n]):
-                    held = n
-                    break
+        self._advance_prefix_matchers()
+        held = max(self.matched, default=0)  # longest text suffix that is a proper prefix of a stop
         return min(bisect.bisect_right(self.ends, len(self.text) - held), self.num_decoded)
+
+
+def _failure_function(pattern: str) -> list[int]:
+    """fail[i]: the length of the longest proper prefix of pattern[: i + 1] that is also its suffix."""
+    fail = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = fail[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        fail[i] = k
+    return fail

@@ -14,6 +14,10 @@ from scheduler.messages import AddRequest, SamplingParams
 
 MAX_N = 1024  # sequences per Generate call (OpenAI allows 128)
 MAX_SEED = 2**64  # seeds are 64-bit; negative ones wrap
+# Stop strings are matched against every new token of the request, inside the scheduler's
+# step loop: bound the work one request can add to everyone's steps (OpenAI allows 4).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 512
 
 
 class InvalidRequest(ValueError):
@@ -133,6 +137,11 @@ def to_add_request(request, model_info: dict) -> AddRequest:
     if bad is not None:
         raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {vocab})")
     sampling = normalize_sampling(request.sampling_params, vocab)
+    if len(sampling.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"{len(sampling.stop)} stop strings; the most is {MAX_STOP_STRINGS}")
+    longest = max(sampling.stop, key=len, default="")
+    if len(longest) > MAX_STOP_CHARS:
+        raise InvalidRequest(f"a stop string has {len(longest)} characters; the most is {MAX_STOP_CHARS}")
     bad = next((t for t in sampling.stop_token_ids if t >= vocab), None)
     if bad is not None:
         raise InvalidRequest(f"stop token id {bad} is outside the vocabulary (size {vocab})")
