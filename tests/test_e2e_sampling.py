@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from test_e2e_grpc import chunks_of, completes_of, generate, greedy_ids, make_request, one_complete, sampling
+from test_e2e_grpc import chunks_of, completes_of, generate, greedy_ids, make_request, one_complete, sampling, wait_idle
 
 EOS = 2
 
@@ -302,3 +302,17 @@ def test_bad_constraint_is_invalid_argument(grpc_stub, story, kind, spec):
         generate(grpc_stub, make_request(story, params=sp), timeout=60)
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"invalid {kind}" in ei.value.details(), ei.value.details()
+
+
+@pytest.mark.parametrize("grammar", ["root ::= root", 'root ::= "a" x\nx ::= x'])
+def test_a_grammar_with_no_way_to_finish_is_invalid_argument(grpc_stub, story, grammar):
+    """A grammar that compiles but admits no complete output leaves the sampler no token
+    (at once, or after "a"): the request ends with INVALID_ARGUMENT instead of emitting
+    tokens outside it up to the length limit, and frees its KV."""
+    sp = sampling(max_new_tokens=32, temperature=0.7)
+    sp.ebnf_grammar = grammar
+    with pytest.raises(grpc.RpcError) as ei:
+        generate(grpc_stub, make_request(story, params=sp), timeout=60)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (ei.value.code(), ei.value.details())
+    assert "allows no token" in ei.value.details(), ei.value.details()
+    assert wait_idle(grpc_stub) == 0

@@ -222,6 +222,20 @@ def test_build_from_requests_applies_penalties_bias_and_min_tokens():
     assert s.build(reqs[2:3]).banned is None
 
 
+def test_a_tiny_repetition_penalty_keeps_logits_finite():
+    """r -> 0 divides a seen token's positive logit by r: still a finite number, so the row
+    samples a seen token with positive logit (a +inf there made the softmax NaN and the
+    row silently took the last vocabulary id)."""
+    s = sampler()
+    logits = logits_of(1, seed=4)
+    logits[0, [10, 11]] = torch.tensor([20.0, 30.0])  # / 1e-38 is past float32's 3.4e38
+    req = make_req([10, 11, 12], [], rid="tiny", temperature=0.7, repetition_penalty=1e-38)
+    got = logits.clone()
+    tokens = sample(got, s.build([req]))
+    assert not torch.isnan(got).any()
+    assert int(tokens[0]) in (10, 11), tokens
+
+
 def test_plain_greedy_fast_path_detected():
     s = sampler()
     reqs = [make_req([1, 2], [3], rid=str(i), temperature=0.0) for i in range(4)] + [make_req([1], rid="k", top_k=1)]

@@ -36,6 +36,9 @@ _xgrammar_kernel_ok = True  # cleared after the first failure of xgrammar's bitm
 
 MAX_REJECTION_ROUNDS = 32  # then a still-rejected row takes its most likely token (always kept)
 MIN_TEMPERATURE = 1e-5  # temperatures below this sample like greedy (dividing by them overflows)
+# A penalised logit stays below this: a tiny repetition penalty (r -> 0 divides positive
+# logits by r) must not make +inf, whose softmax is NaN; / MIN_TEMPERATURE stays finite.
+MAX_PENALISED_LOGIT = 1e30
 
 
 @dataclass
@@ -190,7 +193,7 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
     flat = logits.view(-1)
     if pen.rep_index is not None:
         v = flat[pen.rep_index]
-        flat[pen.rep_index] = torch.where(v > 0, v / pen.rep_factor, v * pen.rep_factor)
+        flat[pen.rep_index] = torch.where(v > 0, (v / pen.rep_factor).clamp_(max=MAX_PENALISED_LOGIT), v * pen.rep_factor)
     if pen.out_index is not None:
         flat.index_add_(0, pen.out_index, -pen.frequency)
         flat[pen.out_index] = flat[pen.out_index] - pen.presence

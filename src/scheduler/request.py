@@ -169,7 +169,12 @@ class Request:
         self.token_ids.append(token_id)
         n = self.num_output_tokens
         if self.grammar is not None and not self.grammar.accept_token(token_id):
-            logger.warning("grammar rejected token %d of %s", token_id, self.request_id)
+            # The sampler keeps to the grammar's bitmask: it left a token outside only
+            # because the grammar allowed none (e.g. ``root ::= root``), a dead end.
+            self.error = ("INVALID_ARGUMENT", f"the structured-output grammar allows no token after {n - 1} "
+                          "output token(s): it admits no complete output from here")
+            self.finish("abort")
+            return
         if token_id in self.stop_ids and n > self.sampling.min_new_tokens:
             self.finish("stop", matched_token_id=token_id)
             return
