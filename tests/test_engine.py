@@ -90,6 +90,54 @@ def test_generation_throughput_over_a_sliding_window(loaded, monkeypatch):
     assert engine.load.gen_throughput == pytest.approx(70 / 4.5)
 
 
+def test_a_grammar_compiling_past_its_time_limit_is_refused_and_delays_no_other(loaded, monkeypatch):
+    """Two compiles that never end fill both compile threads: each request is refused with
+    INVALID_ARGUMENT once it has compiled for grammar_compile_timeout_s, and the grammar
+    queued behind them is restarted on fresh threads and served."""
+    import threading
+    import time
+
+    from scheduler import engine as engine_mod
+    from scheduler.messages import AddRequest
+
+    engine = make_engine(loaded, grammar_compile_timeout_s=1.0)
+    good = SamplingParams(temperature=0.0, max_new_tokens=8, constraint_kind="regex", constraint="(yes|no)!")
+    engine.generate([prompts(1, seed=5)[0]], good)  # builds the vocabulary tables: later compiles take ms
+
+    gate = threading.Event()
+    real = engine_mod._compile_grammar
+
+    def stuck_on_purpose(*args):
+        if args[4] == "(stuck)!":
+            gate.wait(60)
+        return real(*args)
+
+    monkeypatch.setattr(engine_mod, "_compile_grammar", stuck_on_purpose)
+    stuck = SamplingParams(temperature=0.0, max_new_tokens=8, constraint_kind="regex", constraint="(stuck)!")
+    try:
+        for rid, sp in (("stuck-1", stuck), ("stuck-2", stuck), ("queued", good)):
+            engine.add_request(AddRequest(rid, prompts(1, seed=6)[0], sp))
+        tokens, errors, finish = {}, {}, {}
+        deadline = time.monotonic() + 30
+        while engine.has_work():
+            assert time.monotonic() < deadline, "held requests never left the engine"
+            for o in engine.step().outputs:
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                finish[o.request_id] = o.finish_reason
+                if o.error:
+                    errors[o.request_id] = (o.error_code, o.error)
+        assert sorted(errors) == ["stuck-1", "stuck-2"], errors
+        assert all(code == "INVALID_ARGUMENT" and "did not compile within 1 s" in msg for code, msg in errors.values())
+        from scheduler.stop_strings import load_tokenizer
+
+        *text, end = tokens["queued"]
+        assert finish["queued"] == "stop" and end in engine.scheduler.eos_token_ids, (finish, tokens)
+        assert load_tokenizer(engine.runner.model_path).decode(text) in ("yes!", "no!")
+        assert_no_leak(engine)
+    finally:
+        gate.set()  # let the abandoned threads end
+
+
 def test_a_compiling_grammar_holds_only_its_own_request(loaded, reference, monkeypatch):
     """Grammar compilation runs beside the step loop: other requests keep stepping while it
     is stuck, the held request starts once it is done, and an abort or a failure while it

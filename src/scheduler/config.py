@@ -29,6 +29,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     overlap_schedule: bool | None = None
     seed: int = 0
     max_logprobs: int = 20  # most logprobs per token a request may ask for (as vLLM's default)
+    grammar_compile_timeout_s: float = 30.0  # a structured-output grammar compiling longer is refused
     served_model_name: str | None = None
 
 

@@ -58,6 +58,16 @@ def _compile_grammar(model_path: str, vocab_size: int, eos_ids: list[int], kind:
 
 
 @dataclass
+class _GrammarCompile:
+    """A held request's grammar, compiling on a worker thread."""
+
+    request: Request
+    args: tuple  # _compile_grammar's
+    future: Future
+    started: float | None = None  # monotonic time it was first seen compiling (not queued)
+
+
+@dataclass
 class Completion:
     request_id: str
     prompt_ids: list[int]
@@ -91,7 +101,7 @@ class Engine:
         self.inflight: LaunchedStep | None = None  # launched, tokens not yet taken
         # Requests held while their grammar compiles: that can take seconds (the first one
         # also builds the vocabulary's tables), so it runs beside the step loop, not in it.
-        self.compiling: dict[str, tuple[Request, Future]] = {}
+        self.compiling: dict[str, _GrammarCompile] = {}
         self._grammar_threads: ThreadPoolExecutor | None = None
         logger.info("overlap schedule: %s", "on" if self.overlap else "off")
         self.load = LoadSnapshot(max_total_num_tokens=self.kv.capacity_tokens)
@@ -112,30 +122,60 @@ class Engine:
         req = self.scheduler.add_request(msg, hold=bool(sp.constraint_kind))
         req.stop_checker = checker
         if sp.constraint_kind:
-            if self._grammar_threads is None:
-                self._grammar_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
-            args = (self.runner.model_path, self.runner.model_config.vocab_size, sorted(self.scheduler.eos_token_ids))
-            future = self._grammar_threads.submit(_compile_grammar, *args, sp.constraint_kind, sp.constraint)
-            self.compiling[req.request_id] = (req, future)
+            mc = self.runner.model_config
+            args = (self.runner.model_path, mc.vocab_size, sorted(self.scheduler.eos_token_ids), sp.constraint_kind,
+                    sp.constraint)
+            self.compiling[req.request_id] = _GrammarCompile(req, args, self._submit_compile(args))
         self.stats.num_prompt_tokens += req.num_prompt_tokens
         return req
 
+    def _submit_compile(self, args: tuple) -> Future:
+        if self._grammar_threads is None:
+            self._grammar_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        return self._grammar_threads.submit(_compile_grammar, *args)
+
     def _admit_compiled(self) -> None:
-        """Queue the held requests whose grammar is ready; refuse those it failed for."""
+        """Queue the held requests whose grammar is ready; refuse those it failed for, or
+        that compiled for longer than ``grammar_compile_timeout_s``."""
         if not self.scheduler.has_work() and self.inflight is None:
-            wait([f for _, f in self.compiling.values()], timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
-        for rid, (req, future) in list(self.compiling.items()):
-            if future.done():
+            wait([job.future for job in self.compiling.values()], timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+        now, limit = time.monotonic(), self.config.grammar_compile_timeout_s
+        timed_out = False
+        for rid, job in list(self.compiling.items()):
+            if job.future.done():
                 del self.compiling[rid]
                 try:
-                    req.grammar = future.result()
+                    job.request.grammar = job.future.result()
                 except AdmissionError as e:
-                    self.scheduler.reject(req, e.code, str(e))
+                    self.scheduler.reject(job.request, e.code, str(e))
                 else:
-                    self.scheduler.release(req)
+                    self.scheduler.release(job.request)
+            elif job.started is None:
+                job.started = now if job.future.running() else None  # the limit counts from here
+            elif now - job.started > limit:
+                del self.compiling[rid]
+                self.scheduler.reject(job.request, "INVALID_ARGUMENT", f"the {job.args[3]} constraint did not "
+                                      f"compile within {limit:g} s (--grammar-compile-timeout); simplify it")
+                timed_out = True
+        if timed_out:
+            self._abandon_grammar_threads()
+
+    def _abandon_grammar_threads(self) -> None:
+        """Compiles cannot be interrupted: leave the overrunning ones to finish unheeded on
+        the old threads, and restart the compiles queued behind them on new ones, so one
+        pathological grammar delays the others by at most the timeout."""
+        old, self._grammar_threads = self._grammar_threads, None
+        if old is not None:
+            old.shutdown(wait=False)
+        logger.warning("a grammar compile overran its time limit; its thread is left to finish unheeded")
+        for job in self.compiling.values():
+            if job.future.cancel():  # not started yet
+                job.future, job.started = self._submit_compile(job.args), None
 
     def abort(self, request_id: str) -> bool:
-        self.compiling.pop(request_id, None)  # its compile finishes unheeded
+        job = self.compiling.pop(request_id, None)
+        if job is not None:
+            job.future.cancel()  # a compile already under way finishes unheeded
         return self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="same as --overlap-schedule off (SGLang's spelling)")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="most logprobs per token a request may ask for (top_logprobs_num, token_ids_logprob)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=30.0,
+                   help="seconds a structured-output grammar (regex, JSON schema, EBNF) may take to compile "
+                        "before its request is refused")
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler's default generator")
     p.add_argument("--shutdown-grace-period", type=float, default=30.0,
@@ -94,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
             parser.error(str(e))
     if args.max_logprobs < 0:
         parser.error("--max-logprobs must be at least 0")
+    if not args.grammar_compile_timeout > 0:
+        parser.error("--grammar-compile-timeout must be a positive number of seconds")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     for name in ("max_running_requests", "max_num_batched_tokens", "block_size", "max_model_len", "kv_cache_tokens",
@@ -119,6 +124,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
         overlap_schedule={"auto": None, "on": True, "off": False}[args.overlap_schedule],
         seed=args.seed,
         max_logprobs=args.max_logprobs,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
         served_model_name=args.served_model_name,
     )
     server = ServerConfig(
