@@ -631,6 +631,9 @@ def test_flush_cache_drops_the_prefix_cache(grpc_stub, story):
     assert r.success, r.message
     _, c = greedy_ids(grpc_stub, prompt, max_new_tokens=2)
     assert c.cached_tokens == 0
+    with pytest.raises(grpc.RpcError) as ei:  # NaN would compare as "wait forever"
+        grpc_stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=float("nan")), timeout=60)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
 
 
 def test_bf16_daemon_answers_and_frees_its_kv(tmp_path, tokenizer, france, story):

@@ -111,12 +111,14 @@ def test_logit_bias_forces_a_token(grpc_stub, story):
     assert sample_ids(grpc_stub, story, sp) == [forced] * 6
 
 
-def test_bad_logit_bias_is_invalid_argument(grpc_stub, story):
+@pytest.mark.parametrize("key", ["hello", "1_0", " 5", "\u0663"])  # "1_0", " 5" and Arabic 3 would pass int()
+def test_bad_logit_bias_is_invalid_argument(grpc_stub, story, key):
     sp = sampling(max_new_tokens=2)
-    sp.logit_bias["hello"] = 1.0
+    sp.logit_bias[key] = 1.0
     with pytest.raises(grpc.RpcError) as ei:
         generate(grpc_stub, make_request(story, params=sp), timeout=30)
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "must be token ids" in ei.value.details(), ei.value.details()
 
 
 def test_min_new_tokens_prevents_eos(grpc_stub, hi):

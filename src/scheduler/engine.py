@@ -295,7 +295,8 @@ class Engine:
     def flush_cache(self) -> tuple[bool, str]:
         """Drop every cached prefix block; refused while requests hold KV."""
         if self.has_work():
-            n = len(self.scheduler.running) + len(self.scheduler.waiting)
+            sched = self.scheduler
+            n = len(sched.running) + len(sched.waiting) + len(sched.held)
             return False, f"cannot flush the prefix cache: {n} request(s) in flight"
         if not self.pool.reset_prefix_cache():
             return False, "cannot flush the prefix cache: KV blocks are still in use"
@@ -309,7 +310,7 @@ class Engine:
             "max_step_tokens": s.max_step_tokens,
             "batch_size_histogram": {str(k): v for k, v in sorted(s.batch_size_histogram.items())},
             "num_running_reqs": len(self.scheduler.running),
-            "num_waiting_reqs": len(self.scheduler.waiting),
+            "num_waiting_reqs": len(self.scheduler.waiting) + len(self.scheduler.held),  # as GetLoads counts
             "num_preemptions": self.scheduler.num_preemptions,
             "num_generated_tokens": s.num_generated_tokens,
             "gen_throughput": self.load.gen_throughput,

@@ -63,7 +63,7 @@ class StepProfiler:
         output_dir = output_dir or DEFAULT_OUTPUT_DIR
         try:
             os.makedirs(output_dir, exist_ok=True)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: a NUL in the path
             return False, f"cannot create output_dir {output_dir!r}: {e}"
         if not os.access(output_dir, os.W_OK):
             return False, f"output_dir {output_dir!r} is not writable"

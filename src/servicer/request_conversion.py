@@ -65,14 +65,13 @@ def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
             shown = number if kind == "number_value" else f"a {kind.removesuffix('_value')}"
             raise InvalidRequest(f"custom_params.seed must be an integer, got {shown}")
         if not -MAX_SEED // 2 <= number < MAX_SEED:
-            raise InvalidRequest(f"custom_params.seed must fit in 64 bits, got {number:.0f}")
+            raise InvalidRequest(f"custom_params.seed must fit in 64 bits, got {number:.6g}")
         seed = int(number) % MAX_SEED
     logit_bias = {}
     for key, value in sp.logit_bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise InvalidRequest(f"sampling_params.logit_bias keys must be token ids, got {key!r}") from None
+        if not (key.isascii() and key.isdigit()):  # int() would also take "1_0", " 5" or "٣"
+            raise InvalidRequest(f"sampling_params.logit_bias keys must be token ids, got {key!r}")
+        token = int(key)
         if token < 0 or (vocab_size is not None and token >= vocab_size):
             raise InvalidRequest(f"sampling_params.logit_bias token id {token} is outside the vocabulary")
         if math.isnan(value):

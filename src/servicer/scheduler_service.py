@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import math
 import time
 
 import grpc
@@ -343,6 +344,8 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
     async def FlushCache(self, request, context):
         """timeout_s 0: flush now or fail if busy; > 0: wait up to that long for idle."""
         await self._require_ready(context)
+        if not math.isfinite(request.timeout_s):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be a finite number, got {request.timeout_s}")
         deadline = time.monotonic() + max(request.timeout_s, 0)
         while True:
             try:
