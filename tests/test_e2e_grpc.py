@@ -472,6 +472,19 @@ def test_client_cancel_frees_the_request(grpc_stub, story):
     assert wait_idle(grpc_stub) == 0, "the cancelled request is still active"
 
 
+def test_n_sequences_refused_together_free_their_id(grpc_stub, story):
+    """Every sequence of an n=3 call refused at once (prompt + max_new_tokens over the
+    context): one INVALID_ARGUMENT, and no sequence id stays taken afterwards."""
+    rid = f"refused-{uuid.uuid4().hex[:8]}"
+    too_long = make_request(story, max_new_tokens=CONTEXT_LENGTH, rid=rid, n=3)
+    with pytest.raises(grpc.RpcError) as ei:
+        generate(grpc_stub, too_long, timeout=30)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (ei.value.code(), ei.value.details())
+    assert wait_idle(grpc_stub) == 0, "a refused sequence id is still counted in flight"
+    (done,) = completes_of(generate(grpc_stub, make_request(story, max_new_tokens=2, rid=f"{rid}-n1"), timeout=60))
+    assert done.finish_reason in ("length", "stop")
+
+
 def test_an_id_reused_right_after_a_cancel_gets_its_own_tokens(grpc_stub, story):
     """A stream cancelled mid-way, then its id sent again at once: the new call is refused
     (ALREADY_EXISTS) while the scheduler still holds the old request, and once admitted it

@@ -134,6 +134,18 @@ def test_a_grammar_compiling_past_its_time_limit_is_refused_and_delays_no_other(
         assert finish["queued"] == "stop" and end in engine.scheduler.eos_token_ids, (finish, tokens)
         assert load_tokenizer(engine.runner.model_path).decode(text) in ("yes!", "no!")
         assert_no_leak(engine)
+
+        # Both abandoned compiles still run (and hold a core each): new grammars are refused...
+        assert len(engine.overrunning_compiles) == 2
+        with pytest.raises(engine_mod.AdmissionError) as ei:
+            engine.add_request(AddRequest("refused", prompts(1, seed=7)[0], good))
+        assert ei.value.code == "RESOURCE_EXHAUSTED", ei.value
+        # ... until they end
+        gate.set()
+        while engine.overrunning_compiles:
+            assert time.monotonic() < deadline, "the abandoned compiles never ended"
+            time.sleep(0.05)
+        assert engine.generate([prompts(1, seed=7)[0]], good)[0].finish_reason == "stop"
     finally:
         gate.set()  # let the abandoned threads end
 

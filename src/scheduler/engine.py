@@ -33,6 +33,9 @@ class EngineStats:
 
 THROUGHPUT_WINDOW_S = 5.0
 GRAMMAR_WAIT_S = 0.005  # an engine with nothing but compiling grammars waits this long per step
+# Overrunning compiles cannot be stopped and keep a core busy: past this many still
+# running, structured-output requests are refused until some end.
+MAX_OVERRUNNING_COMPILES = 2
 
 
 def _needs_host_tokens(req: Request) -> bool:
@@ -62,6 +65,7 @@ class _GrammarCompile:
     """A held request's grammar, compiling on a worker thread."""
 
     request: Request
+    kind: str  # regex | json_schema | ebnf | structural_tag
     args: tuple  # _compile_grammar's
     future: Future
     started: float | None = None  # monotonic time it was first seen compiling (not queued)
@@ -103,6 +107,7 @@ class Engine:
         # also builds the vocabulary's tables), so it runs beside the step loop, not in it.
         self.compiling: dict[str, _GrammarCompile] = {}
         self._grammar_threads: ThreadPoolExecutor | None = None
+        self.overrunning_compiles: set[Future] = set()  # abandoned, still running (their threads' sets)
         logger.info("overlap schedule: %s", "on" if self.overlap else "off")
         self.load = LoadSnapshot(max_total_num_tokens=self.kv.capacity_tokens)
 
@@ -119,13 +124,16 @@ class Engine:
                 raise AdmissionError("FAILED_PRECONDITION", f"stop strings need the tokenizer: {e}") from e
             checker = StopStringChecker(tokenizer, msg.sampling.stop, msg.input_ids, trim=not msg.sampling.no_stop_trim)
         sp = msg.sampling
+        if sp.constraint_kind and len(self.overrunning_compiles) >= MAX_OVERRUNNING_COMPILES:
+            raise AdmissionError("RESOURCE_EXHAUSTED", f"{len(self.overrunning_compiles)} grammar compiles overran "
+                                 "--grammar-compile-timeout and still run; structured output is refused until they end")
         req = self.scheduler.add_request(msg, hold=bool(sp.constraint_kind))
         req.stop_checker = checker
         if sp.constraint_kind:
             mc = self.runner.model_config
             args = (self.runner.model_path, mc.vocab_size, sorted(self.scheduler.eos_token_ids), sp.constraint_kind,
                     sp.constraint)
-            self.compiling[req.request_id] = _GrammarCompile(req, args, self._submit_compile(args))
+            self.compiling[req.request_id] = _GrammarCompile(req, sp.constraint_kind, args, self._submit_compile(args))
         self.stats.num_prompt_tokens += req.num_prompt_tokens
         return req
 
@@ -151,11 +159,14 @@ class Engine:
                 else:
                     self.scheduler.release(job.request)
             elif job.started is None:
-                job.started = now if job.future.running() else None  # the limit counts from here
+                if job.future.running():  # the limit counts from here, not from the queue
+                    job.started = now
             elif now - job.started > limit:
                 del self.compiling[rid]
-                self.scheduler.reject(job.request, "INVALID_ARGUMENT", f"the {job.args[3]} constraint did not "
+                self.scheduler.reject(job.request, "INVALID_ARGUMENT", f"the {job.kind} constraint did not "
                                       f"compile within {limit:g} s (--grammar-compile-timeout); simplify it")
+                self.overrunning_compiles.add(job.future)
+                job.future.add_done_callback(self.overrunning_compiles.discard)  # (on its thread: set ops are atomic)
                 timed_out = True
         if timed_out:
             self._abandon_grammar_threads()

@@ -271,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         send(EngineDead(f"scheduler crashed: {type(e).__name__}: {e}"))
         return 1
     logger.info("scheduler stopped")
+    if engine.overrunning_compiles:  # Python would join their threads at exit, for as long as they run
+        outbox.close(linger=1000)
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 

@@ -172,7 +172,8 @@ class Request:
             # The sampler keeps to the grammar's bitmask: it left a token outside only
             # because the grammar allowed none (e.g. ``root ::= root``), a dead end.
             self.error = ("INVALID_ARGUMENT", f"the structured-output grammar allows no token after {n - 1} "
-                          "output token(s): it admits no complete output from here")
+                          "output token(s): it admits no complete output from here (or the penalties ruled out "
+                          "every token it allows)")
             self.finish("abort")
             return
         if token_id in self.stop_ids and n > self.sampling.min_new_tokens:

@@ -69,7 +69,7 @@ def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
         seed = int(number) % MAX_SEED
     logit_bias = {}
     for key, value in sp.logit_bias.items():
-        if not (key.isascii() and key.isdigit()):  # int() would also take "1_0", " 5" or "٣"
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):  # int() also takes "1_0", " 5", "٣"
             raise InvalidRequest(f"sampling_params.logit_bias keys must be token ids, got {key!r}")
         token = int(key)
         if token < 0 or (vocab_size is not None and token >= vocab_size):

@@ -239,8 +239,9 @@ class SchedulerClient:
         self._requests[request_id] = _DISCARD
 
     def abort(self, request_id: str, reason: str = "") -> bool:
-        """Ask the scheduler to drop a request and free its KV; False if unknown here."""
-        if request_id not in self._requests or not self.alive:
+        """Ask the scheduler to drop a request and free its KV; False if unknown here (or
+        already cancelled)."""
+        if self._requests.get(request_id, _DISCARD) is _DISCARD or not self.alive:
             return False
         self.to_scheduler.send(to_scheduler_encoder.encode(AbortRequest(request_id, reason)))
         return True

@@ -101,7 +101,8 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         # n > 1 names its sequences "<id>-n<i>": no id of this call may clash with one in
         # flight, whether a caller's id or a sequence's (a clash would cross their outputs).
         if any(x in self.children or self.client.has_request(x) for x in (rid, *ids)):
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request id {rid!r} is already in flight (or still being cancelled)")
         choices = {cid: _Choice(i, base.sampling.return_logprob) for i, cid in enumerate(ids)}
         sp = request.sampling_params
         # stream_interval: a chunk every N tokens (the first chunk of a choice goes out at once)
@@ -142,6 +143,13 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
                                  time.monotonic() - started)
                     yield pb.GenerateResponse(request_id=rid, complete=self._complete(out, choice, request))
         finally:
+            # Final outputs already queued (other children of an n > 1 call refused
+            # together, or a client gone mid-yield) end their requests too: no await
+            # since they were counted, so none is missed.
+            while not queue.empty():
+                item = queue.get_nowait()
+                if isinstance(item, RequestOutput) and item.finish_reason is not None:
+                    choices[item.request_id].done = True
             # A cancelled call (client gone) or an error: stop the work and free the KV now.
             for cid, choice in choices.items():
                 if choice.done:
@@ -344,8 +352,8 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
     async def FlushCache(self, request, context):
         """timeout_s 0: flush now or fail if busy; > 0: wait up to that long for idle."""
         await self._require_ready(context)
-        if not math.isfinite(request.timeout_s):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be a finite number, got {request.timeout_s}")
+        if math.isnan(request.timeout_s):  # (+inf: wait as long as the caller's deadline allows)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be a number, got {request.timeout_s}")
         deadline = time.monotonic() + max(request.timeout_s, 0)
         while True:
             try:

@@ -71,7 +71,7 @@ async def warm_up(client: SchedulerClient, timeout: float = 120.0) -> None:
     except (TimeoutError, asyncio.TimeoutError):
         raise StartupError(f"warm-up generation did not finish in {timeout:.0f} s") from None
     finally:
-        client.release(rid)
+        client.release(rid)  # (after a time-out the daemon does not start: nothing to drain)
 
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
