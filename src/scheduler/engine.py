@@ -107,7 +107,7 @@ class Engine:
         # also builds the vocabulary's tables), so it runs beside the step loop, not in it.
         self.compiling: dict[str, _GrammarCompile] = {}
         self._grammar_threads: ThreadPoolExecutor | None = None
-        self.overrunning_compiles: set[Future] = set()  # abandoned, still running (their threads' sets)
+        self.overrunning_compiles: set[Future] = set()  # abandoned and still running (each removes itself)
         logger.info("overlap schedule: %s", "on" if self.overlap else "off")
         self.load = LoadSnapshot(max_total_num_tokens=self.kv.capacity_tokens)
 

@@ -13,11 +13,8 @@ completes that step and appends it. ``token_ids`` only ever holds known tokens.
 from __future__ import annotations
 
 import enum
-import logging
 
 from .messages import LogprobRows, SamplingParams
-
-logger = logging.getLogger(__name__)
 
 
 class Status(enum.Enum):

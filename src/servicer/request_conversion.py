@@ -70,7 +70,7 @@ def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
     logit_bias = {}
     for key, value in sp.logit_bias.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 10):  # int() also takes "1_0", " 5", "٣"
-            raise InvalidRequest(f"sampling_params.logit_bias keys must be token ids, got {key!r}")
+            raise InvalidRequest(f"sampling_params.logit_bias keys must be token ids, got {key[:24]!r}")
         token = int(key)
         if token < 0 or (vocab_size is not None and token >= vocab_size):
             raise InvalidRequest(f"sampling_params.logit_bias token id {token} is outside the vocabulary")

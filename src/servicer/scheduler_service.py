@@ -143,9 +143,9 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
                                  time.monotonic() - started)
                     yield pb.GenerateResponse(request_id=rid, complete=self._complete(out, choice, request))
         finally:
-            # Final outputs already queued (other children of an n > 1 call refused
-            # together, or a client gone mid-yield) end their requests too: no await
-            # since they were counted, so none is missed.
+            # Final outputs already queued but not read (the other children of an n > 1
+            # call refused together, or a client gone mid-yield) ended their requests too.
+            # Nothing awaits between here and the cancels below, so none slips past.
             while not queue.empty():
                 item = queue.get_nowait()
                 if isinstance(item, RequestOutput) and item.finish_reason is not None:
