@@ -66,7 +66,7 @@ class _GrammarCompile:
 
     request: Request
     kind: str  # regex | json_schema | ebnf | structural_tag
-    args: tuple  # _compile_grammar's
+    spec: str
     future: Future
     started: float | None = None  # monotonic time it was first seen compiling (not queued)
 
@@ -130,17 +130,18 @@ class Engine:
         req = self.scheduler.add_request(msg, hold=bool(sp.constraint_kind))
         req.stop_checker = checker
         if sp.constraint_kind:
-            mc = self.runner.model_config
-            args = (self.runner.model_path, mc.vocab_size, sorted(self.scheduler.eos_token_ids), sp.constraint_kind,
-                    sp.constraint)
-            self.compiling[req.request_id] = _GrammarCompile(req, sp.constraint_kind, args, self._submit_compile(args))
+            future = self._submit_compile(sp.constraint_kind, sp.constraint)
+            self.compiling[req.request_id] = _GrammarCompile(req, sp.constraint_kind, sp.constraint, future)
         self.stats.num_prompt_tokens += req.num_prompt_tokens
         return req
 
-    def _submit_compile(self, args: tuple) -> Future:
+    def _submit_compile(self, kind: str, spec: str) -> Future:
         if self._grammar_threads is None:
             self._grammar_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
-        return self._grammar_threads.submit(_compile_grammar, *args)
+        eos = sorted(self.scheduler.eos_token_ids)
+        return self._grammar_threads.submit(
+            _compile_grammar, self.runner.model_path, self.runner.model_config.vocab_size, eos, kind, spec
+        )
 
     def _admit_compiled(self) -> None:
         """Queue the held requests whose grammar is ready; refuse those it failed for, or
@@ -181,7 +182,7 @@ class Engine:
         logger.warning("a grammar compile overran its time limit; its thread is left to finish unheeded")
         for job in self.compiling.values():
             if job.future.cancel():  # not started yet
-                job.future, job.started = self._submit_compile(job.args), None
+                job.future, job.started = self._submit_compile(job.kind, job.spec), None
 
     def abort(self, request_id: str) -> bool:
         job = self.compiling.pop(request_id, None)
@@ -295,7 +296,7 @@ class Engine:
             version=self.load.version + 1,
             step=s.steps,
             num_running=len(sched.running),
-            num_waiting=len(sched.waiting) + len(sched.held),
+            num_waiting=sched.num_waiting,
             num_waiting_uncached_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
             num_used_tokens=self.pool.num_used_blocks * self.pool.block_size,
             max_total_num_tokens=self.kv.capacity_tokens,
@@ -306,8 +307,7 @@ class Engine:
     def flush_cache(self) -> tuple[bool, str]:
         """Drop every cached prefix block; refused while requests hold KV."""
         if self.has_work():
-            sched = self.scheduler
-            n = len(sched.running) + len(sched.waiting) + len(sched.held)
+            n = len(self.scheduler.running) + self.scheduler.num_waiting
             return False, f"cannot flush the prefix cache: {n} request(s) in flight"
         if not self.pool.reset_prefix_cache():
             return False, "cannot flush the prefix cache: KV blocks are still in use"
@@ -321,7 +321,7 @@ class Engine:
             "max_step_tokens": s.max_step_tokens,
             "batch_size_histogram": {str(k): v for k, v in sorted(s.batch_size_histogram.items())},
             "num_running_reqs": len(self.scheduler.running),
-            "num_waiting_reqs": len(self.scheduler.waiting) + len(self.scheduler.held),  # as GetLoads counts
+            "num_waiting_reqs": self.scheduler.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_generated_tokens": s.num_generated_tokens,
             "gen_throughput": self.load.gen_throughput,

@@ -136,6 +136,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running yet: queued, or held while their grammar compiles."""
+        return len(self.waiting) + len(self.held)
+
     # -- one step --------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
