@@ -20,8 +20,10 @@ renormalised kept distribution exactly (the FlashInfer rejection scheme). The fi
 is accepted with probability >= top_p, so a row rarely needs more than one or two rounds.
 
 Seeded rows take their uniforms from their own (CPU) generator, one per round, and their
-rounds only depend on their own logits: a seeded request samples the same tokens
-whatever else shares its batch, on any device.
+rounds only depend on their own logits: given the same logits, a seeded request samples
+the same tokens whatever else shares its batch, on any device. The model's logits
+themselves can differ in the last bits between batch shapes (~3e-5 measured), so over many
+tokens a draw near a boundary can land on a neighbouring token with different company.
 """
 
 from __future__ import annotations
