@@ -41,7 +41,7 @@ from .messages import (
     from_scheduler_encoder,
     to_scheduler_decoder,
 )
-from .profiler import StepProfiler
+from .profiler import StepProfiler, TraceWrite
 
 logger = logging.getLogger("scheduler")
 HEARTBEAT_S = 0.25
@@ -120,6 +120,7 @@ class SchedulerLoop:
         self.step_started = 0.0  # monotonic start of the running step, 0 between steps
         self.running = True
         self.profiler = StepProfiler(str(engine.runner.device))  # StartProfile / StopProfile
+        self.stop_profile_calls: list[int] = []  # StopProfile calls answered once the trace is written
         self.last_stats_log = time.monotonic()
 
     def send(self, msg) -> None:
@@ -130,6 +131,7 @@ class SchedulerLoop:
             timeout_ms = 0 if self.engine.has_work() else int(HEARTBEAT_S * 1000)
             if self.poller.poll(timeout_ms):
                 self._drain_inbox()
+            self._answer_written_trace()
             if self.engine.has_work():
                 self.step_started = time.monotonic()
                 out = self.engine.step()
@@ -150,6 +152,14 @@ class SchedulerLoop:
             100 * load.num_used_tokens / max(load.max_total_num_tokens, 1), load.gen_throughput,
             100 * load.cache_hit_rate,
         )
+
+    def _answer_written_trace(self) -> None:
+        write = self.profiler.take_finished_write()
+        if write is not None:
+            ok, message = write.result
+            for call_id in self.stop_profile_calls:
+                self.send(ControlReply(call_id, ok, message=message))
+            self.stop_profile_calls.clear()
 
     def _publish_kv_events(self) -> None:
         """Send the prefix cache's changes since the last call as one KvEvents batch."""
@@ -174,7 +184,8 @@ class SchedulerLoop:
             elif isinstance(msg, ControlRequest):
                 reply = self._control(msg)
                 self._publish_kv_events()  # e.g. a flush's "cleared": streamed before the reply
-                self.send(reply)
+                if reply is not None:
+                    self.send(reply)
         # Aborts finish requests outside a step: report them (and refusals) right away.
         finished = self.engine.finished_outputs()
         self.engine.refresh_load()
@@ -200,7 +211,8 @@ class SchedulerLoop:
                 error_code=e.code,
             )
 
-    def _control(self, msg: ControlRequest) -> ControlReply:
+    def _control(self, msg: ControlRequest) -> ControlReply | None:
+        """The reply, or None for a StopProfile answered when its trace is written."""
         try:
             if msg.method == "stats":
                 return ControlReply(msg.call_id, True, self.engine.stats_dict())
@@ -211,7 +223,11 @@ class SchedulerLoop:
                 ok, message = self.profiler.start(**msg.args)
                 return ControlReply(msg.call_id, ok, message=message)
             if msg.method == "stop_profile":
-                ok, message = self.profiler.stop()
+                result = self.profiler.stop()
+                if isinstance(result, TraceWrite):
+                    self.stop_profile_calls.append(msg.call_id)
+                    return None
+                ok, message = result
                 return ControlReply(msg.call_id, ok, message=message)
             if msg.method == "shutdown":
                 self.running = False
@@ -270,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("scheduler loop crashed: %s\n%s", e, traceback.format_exc())
         send(EngineDead(f"scheduler crashed: {type(e).__name__}: {e}"))
         return 1
+    if loop.profiler.writing is not None and not loop.profiler.writing.wait(timeout=2.0):
+        logger.warning("stopping before the profile trace %s was written", loop.profiler.writing.path)
     logger.info("scheduler stopped")
     if engine.overrunning_compiles:  # Python would join their threads at exit, for as long as they run
         outbox.close(linger=1000)

@@ -1,26 +1,85 @@
 """torch.profiler sessions inside the scheduler process (StartProfile / StopProfile).
 
 The scheduler loop calls :meth:`StepProfiler.on_step` after every engine step. A session
-starts at once, or ``start_step`` steps later; it stops on StopProfile, or by itself after
-``num_steps`` profiled steps. Stopping writes a Chrome trace (``.json.gz``, viewable in
-Perfetto or chrome://tracing) into the output directory. Every failure is an (ok=False,
-message) answer, never an exception out of the scheduler loop.
+starts at once, or ``start_step`` steps later; it stops on StopProfile, by itself after
+``num_steps`` profiled steps, or at the latest after ``MAX_PROFILE_STEPS`` (a fifth of
+that with stacks, shapes or memory). Stopping
+writes a Chrome trace (``.json.gz``, viewable in Perfetto or chrome://tracing) into the
+output directory. Every failure is an (ok=False, message) answer, never an exception out
+of the scheduler loop.
+
+Why two halves: ``profile.stop()`` builds the trace in C++ holding the GIL, so it runs on
+the loop and its cost (about 1-3 s per profiled second, more with stacks and shapes) is
+bounded by the step cap. Serialising and compressing it (tens of seconds for a large
+trace, mostly without the GIL) runs in a :class:`TraceWrite` thread while the loop keeps
+serving; StopProfile's reply waits for that thread, not the loop.
 """
 
 from __future__ import annotations
 
+import gzip
 import logging
 import os
+import shutil
+import threading
 import time
 
 logger = logging.getLogger("scheduler")
 
 DEFAULT_OUTPUT_DIR = os.environ.get("SERVICER_PROFILE_DIR", "/tmp/servicer-profiles")
+# A session stops by itself after this many steps: building its trace pauses the loop
+# (measured on CPU: ~5 ms per profiled step, ~115 ms with stacks, shapes and memory).
+MAX_PROFILE_STEPS = int(os.environ.get("SERVICER_PROFILE_MAX_STEPS", "1000"))
+DETAIL_COST = 5  # stacks, shapes or memory: a fifth of the steps
 
 # Activity names as the router / SGLang send them -> what we record.
 _CPU = {"CPU"}
 _CUDA = {"GPU", "CUDA"}
 _MEM = {"MEM", "MEMORY"}
+
+
+class TraceWrite:
+    """A stopped session's trace, serialised and gzipped by a background thread.
+
+    The thread lowers its own CPU priority so the step loop keeps the cores, writes to a
+    ``.part`` file and renames it when complete: the trace's name never shows half a file.
+    """
+
+    def __init__(self, prof, path: str, summary: str):
+        self.path = path
+        self.summary = summary  # e.g. "profile stopped (12 step(s))"
+        self.result: tuple[bool, str] | None = None  # set by the thread when it is done
+        self._thread = threading.Thread(target=self._write, args=(prof,), name="profile-trace-writer", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return self.result is not None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        return self.done()
+
+    def _write(self, prof) -> None:
+        try:  # Linux: a thread id is a process id to setpriority; best effort elsewhere
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
+        raw, part = self.path + ".json.tmp", self.path + ".part"
+        try:
+            prof.export_chrome_trace(raw)  # plain JSON: torch's own .gz path is slow and holds the GIL
+            with open(raw, "rb") as src, gzip.open(part, "wb", compresslevel=1) as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)  # zlib drops the GIL for each chunk
+            os.replace(part, self.path)
+            self.result = (True, f"{self.summary}; trace written to {self.path}")
+        except Exception as e:
+            logger.exception("cannot write the profiler trace")
+            self.result = (False, f"{self.summary}, but writing the trace failed: {type(e).__name__}: {e}")
+        finally:
+            for leftover in (raw, part):
+                try:
+                    os.remove(leftover)
+                except OSError:
+                    pass
 
 
 class StepProfiler:
@@ -29,9 +88,10 @@ class StepProfiler:
         self.profiler = None  # the running torch.profiler.profile
         self.pending: dict | None = None  # a session waiting for its start step
         self.countdown = 0  # steps left before a pending session starts
-        self.steps_left: int | None = None  # profiled steps left before an automatic stop
+        self.steps_left = 0  # profiled steps left before an automatic stop
         self.output_dir = DEFAULT_OUTPUT_DIR
         self.steps = 0  # steps profiled in the current session
+        self.writing: TraceWrite | None = None  # the last stopped session's trace
         self.last_trace: str | None = None
 
     @property
@@ -52,10 +112,10 @@ class StepProfiler:
         if self.active:
             state = "waiting for its start step" if self.pending is not None else "running"
             return False, f"a profile is already {state}; stop it first (StopProfile)"
+        if self.writing is not None and not self.writing.done():
+            return False, f"the last profile's trace is still being written to {self.writing.path}; try again when it is"
         if start_step is not None and start_step < 0:
             return False, f"start_step must be >= 0, got {start_step}"
-        if num_steps is not None and num_steps <= 0:
-            return False, f"num_steps must be > 0, got {num_steps}"
         names = [a.strip().upper() for a in (activities or []) if a.strip()]
         unknown = [a for a in names if a not in _CPU | _CUDA | _MEM]
         if unknown:
@@ -68,13 +128,21 @@ class StepProfiler:
         if not os.access(output_dir, os.W_OK):
             return False, f"output_dir {output_dir!r} is not writable"
 
+        detailed = bool(with_stack or record_shapes or _MEM & set(names))
+        max_steps = max(MAX_PROFILE_STEPS // DETAIL_COST, 1) if detailed else MAX_PROFILE_STEPS
+        if num_steps is not None and not 0 < num_steps <= max_steps:
+            return False, (
+                f"num_steps must be in [1, {max_steps}], got {num_steps}: building a trace pauses the scheduler, "
+                "longer for longer profiles" + (" with stacks, shapes or memory" if detailed else "")
+                + " (SERVICER_PROFILE_MAX_STEPS raises the cap)"
+            )
         on_cuda = self.device.startswith("cuda")
         want_cuda = (not names or bool(_CUDA & set(names))) and on_cuda
         notes = []
         if _CUDA & set(names) and not on_cuda:
             notes.append(f"GPU activity ignored (device is {self.device})")
         self.output_dir = output_dir
-        self.steps_left = num_steps
+        self.steps_left = num_steps or max_steps
         self.steps = 0
         config = {
             "cuda": want_cuda,
@@ -94,17 +162,21 @@ class StepProfiler:
                 logger.exception("cannot start the profiler")
                 return False, f"cannot start the profiler: {type(e).__name__}: {e}"
             when = "now"
-        length = f"for {num_steps} step(s)" if num_steps else "until StopProfile"
+        length = f"for {num_steps} step(s)" if num_steps else f"until StopProfile (at most {max_steps} steps)"
         msg = f"profiling {what} {when}, {length}; traces go to {output_dir}"
         if notes:
             msg += " (" + "; ".join(notes) + ")"
         logger.info(msg)
         return True, msg
 
-    def stop(self) -> tuple[bool, str]:
+    def stop(self) -> tuple[bool, str] | TraceWrite:
+        """An answer now, or the trace being written (this session's, or the last one's if it
+        stopped by itself): answer when ``done()``."""
         if self.pending is not None:
             self.pending = None
             return True, "the pending profile was cancelled before its start step; no trace written"
+        if self.profiler is None and self.writing is not None:
+            return self.writing  # it stopped by itself: answer with its trace once written
         if self.profiler is None:
             msg = "no profile is running (StartProfile first)"
             if self.last_trace:
@@ -131,11 +203,24 @@ class StepProfiler:
         except Exception:  # a marker failing must never stop the scheduler
             logger.debug("profiler.step() failed", exc_info=True)
         self.steps += 1
-        if self.steps_left is not None:
-            self.steps_left -= 1
-            if self.steps_left <= 0:
-                ok, msg = self._finish(f"stopped after {self.steps} step(s)")
-                (logger.info if ok else logger.error)(msg)
+        self.steps_left -= 1
+        if self.steps_left <= 0:
+            result = self._finish("stopped by itself")
+            if isinstance(result, tuple):
+                logger.error(result[1])
+            # else: take_finished_write() logs it once written
+
+    def take_finished_write(self) -> TraceWrite | None:
+        """The last session's trace once written (logged here), else None; once each."""
+        write = self.writing
+        if write is None or not write.done():
+            return None
+        self.writing = None
+        ok, message = write.result
+        if ok:
+            self.last_trace = write.path
+        (logger.info if ok else logger.error)(message)
+        return write
 
     # -- internals ------------------------------------------------------------------------
     def _begin(self, config: dict) -> None:
@@ -154,16 +239,17 @@ class StepProfiler:
         self.profiler = prof
         self.steps = 0
 
-    def _finish(self, how: str) -> tuple[bool, str]:
+    def _finish(self, how: str) -> tuple[bool, str] | TraceWrite:
         prof, self.profiler = self.profiler, None
-        self.steps_left = None
+        self.steps_left = 0
+        summary = f"profile {how} after {self.steps} step(s)"
         name = f"servicer-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{time.time_ns() % 10**6}.trace.json.gz"
-        path = os.path.join(self.output_dir, name)
         try:
-            prof.stop()
-            prof.export_chrome_trace(path)
+            started = time.monotonic()
+            prof.stop()  # builds the trace, holding the GIL: the one part the loop must wait for
+            logger.info("%s; trace built in %.1f s, writing it in the background", summary, time.monotonic() - started)
         except Exception as e:
-            logger.exception("cannot write the profiler trace")
-            return False, f"profile {how}, but writing the trace failed: {type(e).__name__}: {e}"
-        self.last_trace = path
-        return True, f"profile {how} ({self.steps} step(s)); trace written to {path}"
+            logger.exception("cannot stop the profiler")
+            return False, f"{summary}, but building the trace failed: {type(e).__name__}: {e}"
+        self.writing = TraceWrite(prof, os.path.join(self.output_dir, name), summary)
+        return self.writing
