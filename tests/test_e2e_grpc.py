@@ -353,6 +353,8 @@ def test_bad_input_is_invalid_argument(grpc_stub, case, stream):
     with pytest.raises(grpc.RpcError) as ei:
         generate(grpc_stub, make_request(ids, max_new_tokens=max_new, stream=stream), timeout=30)
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (ei.value.code(), ei.value.details())
+    if "context" in case:
+        assert "context limit" in ei.value.details() and str(CONTEXT_LENGTH) in ei.value.details(), ei.value.details()
 
 
 def test_daemon_healthy_after_bad_inputs(grpc_stub, story):

@@ -331,7 +331,9 @@ def test_router_without_the_tokenizer_path_fetches_it_and_serves_chat(daemon, tm
 
 @pytest.fixture(scope="module")
 def second_daemon(tmp_path_factory):
-    with Daemon(max_running_requests=8, kv_cache_tokens=8192, log_dir=tmp_path_factory.mktemp("daemon-b")) as d:
+    # No queue beyond the free running slots: test_a_full_queue_is_resource_exhausted fills it.
+    with Daemon(max_running_requests=8, kv_cache_tokens=8192, extra_args=["--max-queued-requests", "0"],
+                log_dir=tmp_path_factory.mktemp("daemon-b")) as d:
         yield d
 
 
@@ -436,3 +438,35 @@ def test_cache_aware_routes_shared_prefix_to_the_daemon_holding_it(daemon, secon
     finally:
         for ch in channels.values():
             ch.close()
+
+
+def test_a_full_queue_is_resource_exhausted(second_daemon):
+    """--max-queued-requests 0 with 8 running slots: of 20 concurrent long requests, those
+    arriving while all slots are taken get RESOURCE_EXHAUSTED (the router retries it) at
+    once, the others finish, and the daemon ends idle with every KV block free."""
+    with grpc.insecure_channel(second_daemon.address) as ch:
+        stub = pb_grpc.SglangSchedulerStub(ch)
+        idle(stub)
+        outcomes: dict[int, object] = {}
+
+        def one(i):
+            req = make_request(STORY, max_new_tokens=48, ignore_eos=True)
+            try:
+                outcomes[i] = one_complete(stub, req).finish_reason
+            except grpc.RpcError as e:
+                outcomes[i] = e
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(20)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=RPC_TIMEOUT)
+        refused = [e for e in outcomes.values() if isinstance(e, grpc.RpcError)]
+        finished = [r for r in outcomes.values() if r == "length"]
+        assert len(outcomes) == 20 and len(refused) + len(finished) == 20, outcomes
+        assert refused and len(finished) >= 8, outcomes
+        for e in refused:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in e.details(), e
+        idle(stub)
+        assert sched_stat(stub, "num_used_blocks") == 0
+

@@ -13,6 +13,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_cache_tokens: int | None = None  # KV capacity in tokens; None = from kv_cache_memory
     kv_cache_memory: str | None = None  # e.g. "2GiB"; None = default budget for the device
     max_running_requests: int = 64
+    max_queued_requests: int | None = None  # waiting beyond free running slots; None = no limit
     max_num_batched_tokens: int | None = None  # step token budget; None = per-device default
     max_model_len: int | None = None  # None = the model's context length
     enable_prefix_caching: bool = True

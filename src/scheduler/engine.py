@@ -92,6 +92,7 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_running_requests=config.max_running_requests,
+                max_queued_requests=config.max_queued_requests,
                 max_num_batched_tokens=self.runner.max_num_batched_tokens,
                 max_model_len=self.runner.max_model_len,
             ),

@@ -53,6 +53,9 @@ class SchedulerConfig:
     max_running_requests: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
+    # most requests waiting beyond the free running slots; more get RESOURCE_EXHAUSTED
+    # (the router retries those elsewhere or later). None: no limit, as SGLang's default.
+    max_queued_requests: int | None = None
 
 
 class Scheduler:
@@ -102,6 +105,7 @@ class Scheduler:
                 "INVALID_ARGUMENT",
                 f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the whole KV cache ({capacity} tokens)",
             )
+        self._check_queue_room()
         extra = msg.cache_salt.encode()
         req = Request(msg.request_id, msg.input_ids, msg.sampling, max_new, self.eos_token_ids, msg.arrival_time, extra)
         self.requests[req.request_id] = req
@@ -135,6 +139,19 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def _check_queue_room(self) -> None:
+        limit = self.config.max_queued_requests
+        if limit is None:
+            return
+        # A burst that the next step starts at once is not a queue: free slots don't count.
+        free_slots = max(self.config.max_running_requests - len(self.running), 0)
+        if self.num_waiting >= limit + free_slots:
+            raise AdmissionError(
+                "RESOURCE_EXHAUSTED",
+                f"the request queue is full: {self.num_waiting} requests wait for {len(self.running)} running "
+                f"(--max-queued-requests {limit}); retry later",
+            )
 
     @property
     def num_waiting(self) -> int:

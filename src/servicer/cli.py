@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(AVX512-BF16, AMX), where it runs ~1.9x faster than float32")
     p.add_argument("--max-running-requests", type=int, default=64,
                    help="most requests decoded together in one step; more wait in the queue")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="most requests waiting beyond the free running slots; more are refused with "
+                   "RESOURCE_EXHAUSTED, which the router retries (default: no limit)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step (decodes + prefill chunks); longer prompts are chunked "
                    "(default: 512 on CPU, 8192 on accelerators)")
@@ -101,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
         parser.error("--grammar-compile-timeout must be a positive number of seconds")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        parser.error("--max-queued-requests must be at least 0")
     for name in ("max_running_requests", "max_num_batched_tokens", "block_size", "max_model_len", "kv_cache_tokens",
                  "num_threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -113,6 +118,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_memory=args.kv_cache_memory,
         max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.disable_prefix_caching,

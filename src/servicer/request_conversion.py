@@ -131,9 +131,13 @@ def to_add_request(request, model_info: dict) -> AddRequest:
     input_ids = list(request.tokenized.input_ids)
     if not input_ids:
         raise InvalidRequest("the prompt is empty (tokenized.input_ids has 0 tokens)")
+    limit = model_info["max_context_length"]
+    if len(input_ids) >= limit:  # before scanning it; the scheduler's admission checks the rest
+        raise InvalidRequest(f"the prompt has {len(input_ids)} tokens; the context limit is {limit} "
+                             "(prompt must be shorter)")
     vocab = model_info["vocab_size"]
-    bad = next((t for t in input_ids if t >= vocab), None)
-    if bad is not None:
+    if max(input_ids) >= vocab:  # (uint32 on the wire: never negative)
+        bad = next(t for t in input_ids if t >= vocab)
         raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {vocab})")
     sampling = normalize_sampling(request.sampling_params, vocab)
     if len(sampling.stop) > MAX_STOP_STRINGS:
@@ -162,7 +166,7 @@ def to_add_request(request, model_info: dict) -> AddRequest:
         sampling.top_logprobs_num = min(request.top_logprobs_num, vocab)
         sampling.token_ids_logprob = list(request.token_ids_logprob)
         sampling.logprob_start_len = request.logprob_start_len
-    # Length limits (context and KV capacity) are checked once, by the scheduler's admission.
+    # The other length limits (max_new_tokens, KV capacity) are the scheduler's admission's.
     salt = ""
     sp = request.sampling_params
     if sp.HasField("custom_params") and "cache_salt" in sp.custom_params.fields:
