@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +60,57 @@ def _cache_roots() -> list[str]:
             os.path.join(tempfile.gettempdir(), f"servicer-tokenizers-{os.getuid()}")]
 
 
-def _gguf_tokenizer_name(gguf_path: str) -> str:
+SOURCE_RECORD = "servicer-source.json"  # in each cache entry: the GGUF it was converted from
+STALE_TMP_S = 3600.0  # an unfinished conversion this old was left by a crashed process
+
+
+def _gguf_identity(gguf_path: str) -> dict:
     # Path, size and mtime identify the file without hashing gigabytes.
     st = os.stat(gguf_path)
-    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return {"path": os.path.abspath(gguf_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _gguf_tokenizer_name(gguf_path: str) -> str:
+    ident = _gguf_identity(gguf_path)
+    key = hashlib.sha256(f"{ident['path']}:{ident['size']}:{ident['mtime_ns']}".encode()).hexdigest()[:12]
     stem = os.path.splitext(os.path.basename(gguf_path))[0]
     return f"{stem}-{key}"
+
+
+def _is_stale(entry: str) -> bool:
+    """A cache entry whose GGUF is gone or changed (e.g. a deleted checkout or venv), or a
+    conversion a crashed process left; entries without a source record are left alone."""
+    if os.path.basename(entry).startswith(".tmp-"):
+        try:
+            return time.time() - os.stat(entry).st_mtime > STALE_TMP_S
+        except OSError:
+            return False
+    try:
+        with open(os.path.join(entry, SOURCE_RECORD)) as f:
+            recorded = json.load(f)
+    except (OSError, ValueError):
+        return False
+    try:
+        return _gguf_identity(recorded["path"]) != recorded
+    except (OSError, KeyError, TypeError):
+        return True  # the GGUF is gone (or the record is not ours to read: rebuilt on demand)
+
+
+def prune_tokenizer_cache(root: str) -> int:
+    """Remove the stale entries of one cache root; how many went."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        entry = os.path.join(root, name)
+        if os.path.isdir(entry) and _is_stale(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed += 1
+    if removed:
+        logger.info("removed %d stale converted tokenizer(s) from %s", removed, root)
+    return removed
 
 
 def _build_gguf_tokenizer(gguf_path: str, out_dir: str) -> None:
@@ -107,7 +153,8 @@ def prepare_tokenizer_dir(model_path: str) -> str:
 
     An HF directory is its own tokenizer directory; a GGUF's tokenizer is converted once
     into a per-file cache directory, published by an atomic rename so concurrent
-    starters never see it half-written.
+    starters never see it half-written. Each conversion also prunes the entries whose
+    GGUF is gone or changed, so the cache does not grow with every checkout.
     """
     if os.path.isdir(model_path):
         if any(os.path.isfile(os.path.join(model_path, n)) for n in TOKENIZER_FILES):
@@ -130,6 +177,8 @@ def prepare_tokenizer_dir(model_path: str) -> str:
     try:
         logger.info("converting the tokenizer of %s into %s", model_path, final)
         _build_gguf_tokenizer(model_path, tmp)
+        with open(os.path.join(tmp, SOURCE_RECORD), "w") as f:
+            json.dump(_gguf_identity(model_path), f)
         os.rename(tmp, final)
     except OSError:
         if not os.path.isfile(os.path.join(final, "tokenizer.json")):
@@ -137,4 +186,5 @@ def prepare_tokenizer_dir(model_path: str) -> str:
         # Another process published it first; theirs is as good as ours.
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    prune_tokenizer_cache(root)  # only on a miss: a hit stays one stat
     return final
