@@ -54,6 +54,8 @@ def test_kernel_and_schedule_flags():
     assert engine["pdl"]
     assert engine["kernel_backend"] == "triton" and not engine["enable_prefix_caching"]
     assert parse(["--disable-overlap-schedule"])["engine"]["overlap_schedule"] is False
+    assert parse([])["engine"]["max_queued_requests"] is None
+    assert parse(["--max-queued-requests", "0"])["engine"]["max_queued_requests"] == 0
 
 
 @pytest.mark.parametrize(
@@ -61,7 +63,7 @@ def test_kernel_and_schedule_flags():
     [["--kv-cache-memory", "lots"], ["--max-running-requests", "0"],
      ["--kv-cache-tokens", "10", "--kv-cache-memory", "1GiB"], ["--overlap-schedule", "maybe"],
      ["--port", "70000"], ["--port", "-1"], ["--max-model-len", "0"], ["--num-threads", "0"],
-     ["--kv-cache-tokens", "-100"], ["--dtype", "int8"], ["--max-logprobs", "-1"]],
+     ["--kv-cache-tokens", "-100"], ["--dtype", "int8"], ["--max-logprobs", "-1"], ["--max-queued-requests", "-1"]],
 )
 def test_bad_values_are_refused(argv):
     out = parse(argv)

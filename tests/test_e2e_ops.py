@@ -469,4 +469,3 @@ def test_a_full_queue_is_resource_exhausted(second_daemon):
             assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in e.details(), e
         idle(stub)
         assert sched_stat(stub, "num_used_blocks") == 0
-

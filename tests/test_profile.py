@@ -50,7 +50,7 @@ def test_profile_writes_a_chrome_trace(grpc_stub, tmp_path, no_profile):
     generate(grpc_stub)
     r = stop(grpc_stub)
     assert r.success, r.message
-    traces = list(tmp_path.glob("*.json*"))
+    traces = list(tmp_path.glob("*.trace.json.gz"))
     assert len(traces) == 1, traces
     assert str(traces[0]) in r.message, "the reply should name the trace file"
     trace = read_trace(traces[0])
@@ -78,9 +78,9 @@ def test_profile_start_step_and_num_steps(grpc_stub, tmp_path, no_profile):
     assert r.success and "in 1 step" in r.message and "for 2 step" in r.message, r.message
     generate(grpc_stub, max_new_tokens=6)  # prefill + 5 decode steps
     deadline = time.monotonic() + 15
-    while not list(tmp_path.glob("*.json*")) and time.monotonic() < deadline:
+    while not list(tmp_path.glob("*.trace.json.gz")) and time.monotonic() < deadline:
         time.sleep(0.1)
-    traces = list(tmp_path.glob("*.json*"))
+    traces = list(tmp_path.glob("*.trace.json.gz"))
     assert len(traces) == 1, "the profile should stop and write its trace by itself"
     # The file appears whole (written aside, then renamed); a StopProfile now names it,
     # with the write's own answer or as the last trace once nothing is running.

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import threading
 
 import pytest
 import torch
 
 from scheduler import profiler as profiler_module
+from scheduler.messages import ControlReply, ControlRequest
+from scheduler.process import SchedulerLoop
 from scheduler.profiler import StepProfiler, TraceWrite
 
 
@@ -36,25 +40,97 @@ def test_stop_hands_back_a_trace_write_that_lands_whole(tmp_path):
     assert isinstance(write, TraceWrite) and not prof.active
     ok, msg = wait_written(prof).result
     assert ok and write.path in msg and "stopped after 3 step(s)" in msg, msg
-    assert [p.name for p in tmp_path.iterdir()] == [write.path.rsplit("/", 1)[1]], "no .part or .tmp left"
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(write.path)], "no scratch left"
     assert json.loads(gzip.decompress(open(write.path, "rb").read()))["traceEvents"]
     ok, msg = prof.stop()
     assert not ok and write.path in msg, msg
 
 
-def test_no_new_session_while_the_last_trace_is_written(tmp_path):
+@pytest.fixture
+def held_export(monkeypatch):
+    """Trace exports wait until the test sets the returned event."""
+    import torch.profiler as tp
+
+    release = threading.Event()
+    export = tp.profile.export_chrome_trace
+
+    def held(self, path, *args, **kw):
+        assert release.wait(timeout=60)
+        return export(self, path, *args, **kw)
+
+    monkeypatch.setattr(tp.profile, "export_chrome_trace", held)
+    yield release
+    release.set()
+
+
+def test_no_new_session_while_the_last_trace_is_written(tmp_path, held_export):
     prof = StepProfiler()
     assert prof.start(output_dir=str(tmp_path))[0]
     run_steps(prof, 2)
     write = prof.stop()
-    assert isinstance(write, TraceWrite)
-    if not write.done():  # (a fast machine may already be done)
-        ok, msg = prof.start(output_dir=str(tmp_path))
-        assert not ok and "still being written" in msg, msg
+    assert isinstance(write, TraceWrite) and not write.done()
+    ok, msg = prof.start(output_dir=str(tmp_path))
+    assert not ok and "still being written" in msg, msg
+    assert [p.name for p in tmp_path.iterdir()] == [f".{os.path.basename(write.path).split('.')[0]}.partial"]
+    assert not list(tmp_path.glob("*.json*")), "scratch files must not look like traces"
+    held_export.set()
     wait_written(prof)
     assert prof.start(output_dir=str(tmp_path))[0]
     prof.stop()
     wait_written(prof)
+
+
+def test_a_write_cut_short_leaves_nothing(tmp_path, held_export):
+    prof = StepProfiler()
+    assert prof.start(output_dir=str(tmp_path))[0]
+    run_steps(prof, 1)
+    write = prof.stop()
+    assert not write.wait(timeout=0.2)
+    write.discard()  # what the scheduler does when it exits before the write ends
+    assert list(tmp_path.iterdir()) == []
+
+
+class RecordingLoop(SchedulerLoop):
+    """The scheduler loop's control path alone: replies are recorded, not sent."""
+
+    def __init__(self):
+        self.profiler = StepProfiler()
+        self.replies: list[ControlReply] = []
+
+    def send(self, msg) -> None:
+        self.replies.append(msg)
+
+
+def control(loop, call_id, method, **args):
+    reply = loop._control(ControlRequest(call_id, method, args))
+    if reply is not None:
+        loop.send(reply)
+
+
+def test_each_deferred_stop_profile_gets_its_own_trace(tmp_path, held_export):
+    """StopProfile 1 waits for trace A; A is written; then a StartProfile and StopProfile 2
+    arrive in one inbox read (no loop pass between): 1 gets A, 2 gets the new trace B."""
+    loop = RecordingLoop()
+    control(loop, 0, "start_profile", output_dir=str(tmp_path))
+    run_steps(loop.profiler, 1)
+    control(loop, 1, "stop_profile")
+    control(loop, 2, "stop_profile")  # a second caller of the same stop waits for A too
+    first = loop.profiler.writing
+    held_export.set()
+    assert first.wait(timeout=60)
+    control(loop, 3, "start_profile", output_dir=str(tmp_path))
+    run_steps(loop.profiler, 1)
+    control(loop, 4, "stop_profile")
+    second = loop.profiler.writing
+    assert second is not first and second.wait(timeout=60)
+    loop._answer_written_trace()
+    by_call = {r.call_id: r for r in loop.replies}
+    assert sorted(by_call) == [0, 1, 2, 3, 4] and len(loop.replies) == 5, loop.replies
+    assert all(r.ok for r in loop.replies), loop.replies
+    assert first.path in by_call[1].message and first.path in by_call[2].message
+    assert second.path in by_call[4].message
+    loop._answer_written_trace()
+    assert len(loop.replies) == 5, "a reply went out twice"
 
 
 def test_sessions_are_capped_in_steps(tmp_path, monkeypatch):

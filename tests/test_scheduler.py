@@ -129,15 +129,17 @@ def test_requests_that_can_never_run_are_refused(prompt_len, max_new, code):
 def test_queue_limit_counts_only_requests_beyond_the_free_running_slots():
     pool = BlockPool(64, 4, True)
     sched = Scheduler(SchedulerConfig(max_running_requests=2, max_queued_requests=1), KVCacheManager(pool), frozenset({2}))
-    for i in range(3):  # two start at the next step, one waits behind them
+    for i in range(2):  # both start at the next step
         add(sched, f"r{i}", [5, 6, 7], max_new=4)
+    held = sched.add_request(AddRequest("r2", [5, 6, 7], SamplingParams(max_new_tokens=4)), hold=True)  # counts
     with pytest.raises(AdmissionError) as e:
         add(sched, "over", [5, 6, 7])
     assert e.value.code == "RESOURCE_EXHAUSTED" and "queue is full" in str(e.value) and "retry" in str(e.value)
     assert "over" not in sched.requests
-    sched.update(sched.schedule(), [9, 9])  # r0, r1 run; r2 still waits: still full
+    sched.update(sched.schedule(), [9, 9])  # r0, r1 run; r2 still held: still full
     with pytest.raises(AdmissionError):
         add(sched, "over", [5, 6, 7])
+    sched.release(held)
     run(sched)
     add(sched, "later", [5, 6, 7])  # room again once the queue drains
     run(sched)

@@ -22,19 +22,22 @@ def entry(root, name, source: dict | None = None, age_s: float = 0.0):
     return path
 
 
-def test_prune_removes_only_entries_whose_gguf_is_gone_or_changed(tmp_path):
+def test_prune_removes_only_unused_entries_whose_gguf_is_gone_or_changed(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     root = tmp_path / "cache"
     current = model_source._gguf_identity(str(gguf))
-    live = entry(root, "live", current)
-    gone = entry(root, "gone", dict(current, path=str(tmp_path / "deleted.gguf")))
-    changed = entry(root, "changed", dict(current, mtime_ns=current["mtime_ns"] - 1))
-    unknown = entry(root, "no-record")  # not ours to judge: kept
+    day = model_source.UNUSED_S
+    live = entry(root, "live", current, age_s=2 * day)
+    gone = entry(root, "gone", dict(current, path=str(tmp_path / "deleted.gguf")), age_s=2 * day)
+    changed = entry(root, "changed", dict(current, mtime_ns=current["mtime_ns"] - 1), age_s=2 * day)
+    recent = entry(root, "gone-but-used-today", dict(current, path=str(tmp_path / "deleted.gguf")))
+    unknown = entry(root, "no-record", age_s=2 * day)  # not ours to judge: kept
     crashed = entry(root, ".tmp-crashed", age_s=2 * model_source.STALE_TMP_S)
     running = entry(root, ".tmp-running")  # a conversion in progress elsewhere
     assert prune_tokenizer_cache(str(root)) == 3
-    assert sorted(p.name for p in root.iterdir()) == sorted(p.name for p in (live, unknown, running))
+    kept = (live, recent, unknown, running)
+    assert sorted(p.name for p in root.iterdir()) == sorted(p.name for p in kept)
     assert not gone.exists() and not changed.exists() and not crashed.exists()
     assert prune_tokenizer_cache(str(tmp_path / "missing")) == 0
 
@@ -50,8 +53,12 @@ def test_a_conversion_records_its_source_and_prunes_a_deleted_copy(tmp_path, mon
         link.symlink_to(bundled)
     one = prepare_tokenizer_dir(str(first))
     assert json.loads(open(os.path.join(one, SOURCE_RECORD)).read())["path"] == str(first)
+    day_ago = time.time() - model_source.UNUSED_S - 60
+    os.utime(one, (day_ago, day_ago))
     assert prepare_tokenizer_dir(str(first)) == one, "a hit reuses the entry"
-    first.unlink()  # the first checkout is deleted
+    assert os.stat(one).st_mtime > day_ago + 60, "a hit marks the entry used"
+    os.utime(one, (day_ago, day_ago))
+    first.unlink()  # the first checkout is deleted, and its entry unused for a day
     two = prepare_tokenizer_dir(str(second))
     assert two != one and os.path.isfile(os.path.join(two, "tokenizer.json"))
     assert not os.path.exists(one), "the deleted checkout's entry should be pruned"

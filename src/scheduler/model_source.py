@@ -62,6 +62,9 @@ def _cache_roots() -> list[str]:
 
 SOURCE_RECORD = "servicer-source.json"  # in each cache entry: the GGUF it was converted from
 STALE_TMP_S = 3600.0  # an unfinished conversion this old was left by a crashed process
+# An entry is pruned only when unused this long: a daemon started from a GGUF that was
+# replaced since still advertises its entry (tokenizer_path) to the router.
+UNUSED_S = 86400.0
 
 
 def _gguf_identity(gguf_path: str) -> dict:
@@ -78,22 +81,25 @@ def _gguf_tokenizer_name(gguf_path: str) -> str:
 
 
 def _is_stale(entry: str) -> bool:
-    """A cache entry whose GGUF is gone or changed (e.g. a deleted checkout or venv), or a
-    conversion a crashed process left; entries without a source record are left alone."""
+    """A cache entry unused for a day whose GGUF is gone or changed (e.g. a deleted
+    checkout or venv), or a conversion a crashed process left; entries without a source
+    record, or whose GGUF cannot be checked right now, are left alone."""
+    try:
+        age = time.time() - os.stat(entry).st_mtime  # (touched on each use)
+    except OSError:
+        return False
     if os.path.basename(entry).startswith(".tmp-"):
-        try:
-            return time.time() - os.stat(entry).st_mtime > STALE_TMP_S
-        except OSError:
-            return False
+        return age > STALE_TMP_S
+    if age < UNUSED_S:
+        return False
     try:
         with open(os.path.join(entry, SOURCE_RECORD)) as f:
             recorded = json.load(f)
-    except (OSError, ValueError):
-        return False
-    try:
         return _gguf_identity(recorded["path"]) != recorded
-    except (OSError, KeyError, TypeError):
-        return True  # the GGUF is gone (or the record is not ours to read: rebuilt on demand)
+    except (FileNotFoundError, NotADirectoryError):
+        return os.path.isfile(os.path.join(entry, SOURCE_RECORD))  # the record is there, its GGUF is gone
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def prune_tokenizer_cache(root: str) -> int:
@@ -107,7 +113,7 @@ def prune_tokenizer_cache(root: str) -> int:
         entry = os.path.join(root, name)
         if os.path.isdir(entry) and _is_stale(entry):
             shutil.rmtree(entry, ignore_errors=True)
-            removed += 1
+            removed += not os.path.exists(entry)
     if removed:
         logger.info("removed %d stale converted tokenizer(s) from %s", removed, root)
     return removed
@@ -163,6 +169,10 @@ def prepare_tokenizer_dir(model_path: str) -> str:
     name = _gguf_tokenizer_name(model_path)
     for root in _cache_roots():
         if os.path.isfile(os.path.join(root, name, "tokenizer.json")):
+            try:
+                os.utime(os.path.join(root, name))  # in use: not to be pruned
+            except OSError:
+                pass
             return os.path.join(root, name)
     for root in _cache_roots():
         try:

@@ -81,6 +81,7 @@ def model_info(engine, config: EngineConfig) -> dict:
         "architectures": [mc.architecture],
         "max_total_num_tokens": engine.kv.capacity_tokens,
         "max_running_requests": config.max_running_requests,
+        "max_queued_requests": config.max_queued_requests,
         "max_logprobs": config.max_logprobs,
         "max_num_batched_tokens": runner.max_num_batched_tokens,
         "block_size": config.block_size,
@@ -120,7 +121,6 @@ class SchedulerLoop:
         self.step_started = 0.0  # monotonic start of the running step, 0 between steps
         self.running = True
         self.profiler = StepProfiler(str(engine.runner.device))  # StartProfile / StopProfile
-        self.stop_profile_calls: list[int] = []  # StopProfile calls answered once the trace is written
         self.last_stats_log = time.monotonic()
 
     def send(self, msg) -> None:
@@ -154,12 +154,12 @@ class SchedulerLoop:
         )
 
     def _answer_written_trace(self) -> None:
+        """Answer the StopProfile calls waiting for a trace once it is written."""
         write = self.profiler.take_finished_write()
         if write is not None:
             ok, message = write.result
-            for call_id in self.stop_profile_calls:
+            for call_id in write.waiters:
                 self.send(ControlReply(call_id, ok, message=message))
-            self.stop_profile_calls.clear()
 
     def _publish_kv_events(self) -> None:
         """Send the prefix cache's changes since the last call as one KvEvents batch."""
@@ -219,13 +219,15 @@ class SchedulerLoop:
             if msg.method == "flush_cache":
                 ok, message = self.engine.flush_cache()
                 return ControlReply(msg.call_id, ok, message=message)
+            if msg.method in ("start_profile", "stop_profile"):
+                self._answer_written_trace()  # a trace written meanwhile is the last one, not pending
             if msg.method == "start_profile":
                 ok, message = self.profiler.start(**msg.args)
                 return ControlReply(msg.call_id, ok, message=message)
             if msg.method == "stop_profile":
                 result = self.profiler.stop()
                 if isinstance(result, TraceWrite):
-                    self.stop_profile_calls.append(msg.call_id)
+                    result.waiters.append(msg.call_id)
                     return None
                 ok, message = result
                 return ControlReply(msg.call_id, ok, message=message)
@@ -286,8 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("scheduler loop crashed: %s\n%s", e, traceback.format_exc())
         send(EngineDead(f"scheduler crashed: {type(e).__name__}: {e}"))
         return 1
-    if loop.profiler.writing is not None and not loop.profiler.writing.wait(timeout=2.0):
-        logger.warning("stopping before the profile trace %s was written", loop.profiler.writing.path)
+    writing = loop.profiler.writing
+    if writing is not None and not writing.wait(timeout=2.0):
+        logger.warning("stopping before the profile trace %s was written", writing.path)
+        writing.discard()
     logger.info("scheduler stopped")
     if engine.overrunning_compiles:  # Python would join their threads at exit, for as long as they run
         outbox.close(linger=1000)

@@ -3,16 +3,16 @@
 The scheduler loop calls :meth:`StepProfiler.on_step` after every engine step. A session
 starts at once, or ``start_step`` steps later; it stops on StopProfile, by itself after
 ``num_steps`` profiled steps, or at the latest after ``MAX_PROFILE_STEPS`` (a fifth of
-that with stacks, shapes or memory). Stopping
-writes a Chrome trace (``.json.gz``, viewable in Perfetto or chrome://tracing) into the
-output directory. Every failure is an (ok=False, message) answer, never an exception out
-of the scheduler loop.
+that with stacks, shapes or memory). Stopping writes a Chrome trace (``.json.gz``,
+viewable in Perfetto or chrome://tracing) into the output directory. Every failure is an
+(ok=False, message) answer, never an exception out of the scheduler loop.
 
-Why two halves: ``profile.stop()`` builds the trace in C++ holding the GIL, so it runs on
-the loop and its cost (about 1-3 s per profiled second, more with stacks and shapes) is
-bounded by the step cap. Serialising and compressing it (tens of seconds for a large
-trace, mostly without the GIL) runs in a :class:`TraceWrite` thread while the loop keeps
-serving; StopProfile's reply waits for that thread, not the loop.
+Why two halves: ``profile.stop()`` builds the trace in C++ holding the GIL (heartbeats
+stop too), so it runs on the loop; its cost, from ~0.1 s per profiled second (CPU
+activity only) to ~3 s (stacks, shapes and memory), is bounded by the step cap.
+Serialising and compressing it (tens of seconds for a large trace, mostly without the
+GIL) runs in a :class:`TraceWrite` thread while the loop keeps serving; StopProfile's
+reply waits for that thread, not the loop.
 """
 
 from __future__ import annotations
@@ -29,8 +29,17 @@ logger = logging.getLogger("scheduler")
 DEFAULT_OUTPUT_DIR = os.environ.get("SERVICER_PROFILE_DIR", "/tmp/servicer-profiles")
 # A session stops by itself after this many steps: building its trace pauses the loop
 # (measured on CPU: ~5 ms per profiled step, ~115 ms with stacks, shapes and memory).
-MAX_PROFILE_STEPS = int(os.environ.get("SERVICER_PROFILE_MAX_STEPS", "1000"))
+MAX_PROFILE_STEPS = 1000  # SERVICER_PROFILE_MAX_STEPS overrides it
 DETAIL_COST = 5  # stacks, shapes or memory: a fifth of the steps
+
+
+def _max_profile_steps() -> int:
+    value = os.environ.get("SERVICER_PROFILE_MAX_STEPS", "")
+    try:
+        return max(int(value), 1) if value else MAX_PROFILE_STEPS
+    except ValueError:
+        logger.warning("SERVICER_PROFILE_MAX_STEPS=%r is not a number; using %d", value, MAX_PROFILE_STEPS)
+        return MAX_PROFILE_STEPS
 
 # Activity names as the router / SGLang send them -> what we record.
 _CPU = {"CPU"}
@@ -41,14 +50,20 @@ _MEM = {"MEM", "MEMORY"}
 class TraceWrite:
     """A stopped session's trace, serialised and gzipped by a background thread.
 
-    The thread lowers its own CPU priority so the step loop keeps the cores, writes to a
-    ``.part`` file and renames it when complete: the trace's name never shows half a file.
+    The thread lowers its own CPU priority so the step loop keeps the cores. It writes in
+    a hidden scratch directory beside the trace and renames the finished file into place:
+    the output directory never shows half a trace, and :meth:`discard` removes whatever a
+    write cut short (at shutdown) left. ``waiters`` are the StopProfile calls to answer
+    with ``result``, which is set last, once the scratch directory is gone.
     """
 
     def __init__(self, prof, path: str, summary: str):
         self.path = path
-        self.summary = summary  # e.g. "profile stopped (12 step(s))"
-        self.result: tuple[bool, str] | None = None  # set by the thread when it is done
+        self.summary = summary  # e.g. "profile stopped after 12 step(s)"
+        self.waiters: list[int] = []  # call ids of the StopProfile calls waiting for it
+        self.result: tuple[bool, str] | None = None
+        stem = os.path.basename(path).split(".", 1)[0]  # (no ".json" in it: globs of traces skip it)
+        self._scratch = os.path.join(os.path.dirname(path), f".{stem}.partial")
         self._thread = threading.Thread(target=self._write, args=(prof,), name="profile-trace-writer", daemon=True)
         self._thread.start()
 
@@ -59,27 +74,30 @@ class TraceWrite:
         self._thread.join(timeout)
         return self.done()
 
+    def discard(self) -> None:
+        """Remove the scratch files of a write that will not finish (the process is exiting)."""
+        shutil.rmtree(self._scratch, ignore_errors=True)
+
     def _write(self, prof) -> None:
         try:  # Linux: a thread id is a process id to setpriority; best effort elsewhere
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         except (AttributeError, OSError):
             pass
-        raw, part = self.path + ".json.tmp", self.path + ".part"
         try:
-            prof.export_chrome_trace(raw)  # plain JSON: torch's own .gz path is slow and holds the GIL
+            os.mkdir(self._scratch)
+            raw, part = os.path.join(self._scratch, "trace.json"), os.path.join(self._scratch, "trace.json.gz")
+            # Plain JSON first (kineto's save: holds the GIL, ~0.3 s per 50 MB); torch's own
+            # .gz path then compresses line by line at level 9, mostly holding the GIL too.
+            prof.export_chrome_trace(raw)
             with open(raw, "rb") as src, gzip.open(part, "wb", compresslevel=1) as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)  # zlib drops the GIL for each chunk
             os.replace(part, self.path)
-            self.result = (True, f"{self.summary}; trace written to {self.path}")
+            result = (True, f"{self.summary}; trace written to {self.path}")
         except Exception as e:
             logger.exception("cannot write the profiler trace")
-            self.result = (False, f"{self.summary}, but writing the trace failed: {type(e).__name__}: {e}")
-        finally:
-            for leftover in (raw, part):
-                try:
-                    os.remove(leftover)
-                except OSError:
-                    pass
+            result = (False, f"{self.summary}, but writing the trace failed: {type(e).__name__}: {e}")
+        self.discard()
+        self.result = result
 
 
 class StepProfiler:
@@ -112,7 +130,7 @@ class StepProfiler:
         if self.active:
             state = "waiting for its start step" if self.pending is not None else "running"
             return False, f"a profile is already {state}; stop it first (StopProfile)"
-        if self.writing is not None and not self.writing.done():
+        if self.writing is not None:  # (the loop collects a finished one before each control call)
             return False, f"the last profile's trace is still being written to {self.writing.path}; try again when it is"
         if start_step is not None and start_step < 0:
             return False, f"start_step must be >= 0, got {start_step}"
@@ -129,7 +147,8 @@ class StepProfiler:
             return False, f"output_dir {output_dir!r} is not writable"
 
         detailed = bool(with_stack or record_shapes or _MEM & set(names))
-        max_steps = max(MAX_PROFILE_STEPS // DETAIL_COST, 1) if detailed else MAX_PROFILE_STEPS
+        cap = _max_profile_steps()
+        max_steps = max(cap // DETAIL_COST, 1) if detailed else cap
         if num_steps is not None and not 0 < num_steps <= max_steps:
             return False, (
                 f"num_steps must be in [1, {max_steps}], got {num_steps}: building a trace pauses the scheduler, "

@@ -149,8 +149,8 @@ class Scheduler:
         if self.num_waiting >= limit + free_slots:
             raise AdmissionError(
                 "RESOURCE_EXHAUSTED",
-                f"the request queue is full: {self.num_waiting} requests wait for {len(self.running)} running "
-                f"(--max-queued-requests {limit}); retry later",
+                f"the request queue is full: {self.num_waiting} requests wait for {free_slots} free running slots "
+                f"+ {limit} queued (--max-queued-requests); retry later",
             )
 
     @property

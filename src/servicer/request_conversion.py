@@ -126,8 +126,13 @@ def to_add_request(request, model_info: dict) -> AddRequest:
     if not request.request_id:
         raise InvalidRequest("request_id is empty")
     reject_unsupported(request)
-    if request.sampling_params.n > MAX_N:
-        raise InvalidRequest(f"sampling_params.n must be at most {MAX_N}, got {request.sampling_params.n}")
+    n = request.sampling_params.n
+    if n > MAX_N:
+        raise InvalidRequest(f"sampling_params.n must be at most {MAX_N}, got {n}")
+    queued, running = model_info.get("max_queued_requests"), model_info["max_running_requests"]
+    if queued is not None and n > running + queued:  # its sequences queue one by one: never all admitted
+        raise InvalidRequest(f"sampling_params.n={n} sequences can never be queued together: at most {running} run "
+                             f"and {queued} wait (--max-running-requests, --max-queued-requests)")
     input_ids = list(request.tokenized.input_ids)
     if not input_ids:
         raise InvalidRequest("the prompt is empty (tokenized.input_ids has 0 tokens)")

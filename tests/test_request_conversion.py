@@ -1,0 +1,49 @@
+"""Request validation at the servicer edge (servicer.request_conversion), on smg-grpc-proto
+messages: what is refused before anything reaches the scheduler."""
+
+from __future__ import annotations
+
+import pytest
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+from servicer.request_conversion import InvalidRequest, to_add_request
+
+INFO = {"vocab_size": 1000, "max_context_length": 64, "max_running_requests": 4, "max_queued_requests": None,
+        "max_logprobs": 20}
+
+
+def request(input_ids, n=1, **sp):
+    return pb.GenerateRequest(
+        request_id="r", tokenized=pb.TokenizedInput(input_ids=input_ids),
+        sampling_params=pb.SamplingParams(max_new_tokens=4, n=n, **sp), logprob_start_len=-1,
+    )
+
+
+def test_a_good_request_becomes_an_add_request():
+    msg = to_add_request(request([1, 2, 3]), INFO)
+    assert msg.request_id == "r" and msg.input_ids == [1, 2, 3] and msg.sampling.max_new_tokens == 4
+
+
+def test_a_prompt_over_the_context_is_refused_before_its_tokens_are_scanned():
+    with pytest.raises(InvalidRequest) as e:
+        to_add_request(request([5000] * 64), INFO)  # out of vocabulary too: the length answers first
+    assert e.value.code == "INVALID_ARGUMENT" and "context limit is 64" in str(e.value)
+
+
+def test_an_out_of_vocabulary_token_is_named():
+    with pytest.raises(InvalidRequest) as e:
+        to_add_request(request([1, 1000, 2]), INFO)
+    assert "token id 1000 is outside the vocabulary (size 1000)" in str(e.value)
+
+
+@pytest.mark.parametrize("queued,n,refused", [(None, 64, False), (2, 6, False), (2, 7, True), (0, 5, True)])
+def test_n_beyond_what_can_ever_queue_together_is_invalid(queued, n, refused):
+    """With --max-queued-requests, n sequences queue one by one: more than running + queued
+    would always be RESOURCE_EXHAUSTED (retried by the router forever): INVALID_ARGUMENT."""
+    info = dict(INFO, max_queued_requests=queued)
+    if not refused:
+        to_add_request(request([1, 2], n=n), info)
+        return
+    with pytest.raises(InvalidRequest) as e:
+        to_add_request(request([1, 2], n=n), info)
+    assert e.value.code == "INVALID_ARGUMENT" and "--max-queued-requests" in str(e.value), e.value
