@@ -115,6 +115,7 @@ class Engine:
     # -- requests ----------------------------------------------------------------------
     def add_request(self, msg: AddRequest) -> Request:
         """Queue a request; raises AdmissionError for one that can never run."""
+        self.scheduler.check_queue_room()  # first: under overload, refuse before any setup
         checker = None
         if msg.sampling.stop:
             from .stop_strings import StopStringChecker, load_tokenizer

@@ -105,7 +105,7 @@ class Scheduler:
                 "INVALID_ARGUMENT",
                 f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the whole KV cache ({capacity} tokens)",
             )
-        self._check_queue_room()
+        self.check_queue_room()
         extra = msg.cache_salt.encode()
         req = Request(msg.request_id, msg.input_ids, msg.sampling, max_new, self.eos_token_ids, msg.arrival_time, extra)
         self.requests[req.request_id] = req
@@ -140,7 +140,8 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _check_queue_room(self) -> None:
+    def check_queue_room(self) -> None:
+        """RESOURCE_EXHAUSTED (AdmissionError) when --max-queued-requests is reached."""
         limit = self.config.max_queued_requests
         if limit is None:
             return
