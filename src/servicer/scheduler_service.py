@@ -270,7 +270,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             "context_length": i["max_context_length"],
             "max_total_tokens": i["max_total_num_tokens"],
             "max_running_requests": i["max_running_requests"],
-            "max_queued_requests": self.config.max_queued_requests,
+            "max_queued_requests": i["max_queued_requests"],
             "max_num_batched_tokens": i["max_num_batched_tokens"],
             "page_size": i["block_size"],
             "device": i["device"],
