@@ -346,16 +346,21 @@ def feed_all(text, stops, trim=True, min_new=0):
     return req, safe
 
 
-def test_stop_string_held_back_text_equals_brute_force():
-    """The incremental (KMP) count of held-back characters equals the longest text suffix
-    that is a proper prefix of a stop, recomputed from scratch, on random small alphabets
-    (repetitive stops, overlapping and ignored matches included)."""
+def test_stop_string_automata_equal_brute_force():
+    """The incremental (KMP) matches and held-back characters equal a search from scratch:
+    the earliest match starting in the last len(stop) - 1 characters or later (it ends in the
+    new text), and the longest text suffix that is a proper prefix of a stop, on random small
+    alphabets (repetitive stops, overlapping and ignored matches included)."""
     import random
 
     from scheduler.stop_strings import StopStringChecker
 
-    def brute_force(text, stops):
+    def held_back(text, stops):
         return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+    def new_match(text, before, stops):
+        found = [(text.find(s, max(0, before - len(s) + 1)), s) for s in stops]
+        return min(((pos, s) for pos, s in found if pos != -1), default=None)
 
     rng = random.Random(0)
     for trial in range(3000):
@@ -363,9 +368,15 @@ def test_stop_string_held_back_text_equals_brute_force():
         stops = ["".join(rng.choices(alphabet, k=rng.randint(1, 7))) for _ in range(rng.randint(1, 3))]
         checker = StopStringChecker(CharTokenizer(), stops, [ord("x")])
         for _ in range(rng.randint(1, 14)):
-            checker.feed(ord(rng.choice(alphabet)))
-            checker.num_safe_tokens()
-            assert max(checker.matched) == brute_force(checker.text, stops), (checker.text, stops)
+            before = len(checker.text)
+            match = checker.feed(ord(rng.choice(alphabet)))
+            want = new_match(checker.text, before, stops)
+            if want is None:
+                assert match is None, (checker.text, stops)
+            else:  # one character a token: the tokens to keep are the match's position
+                stop, keep = match
+                assert keep == want[0] and checker.text.startswith(stop, keep), (checker.text, stops, match)
+            assert max(checker.matched) == held_back(checker.text, stops), (checker.text, stops)
 
 
 def test_stop_string_trimmed_and_held_back():

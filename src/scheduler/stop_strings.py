@@ -53,12 +53,12 @@ class StopStringChecker:
         self.text = ""  # the output's decoded text
         self.ends: list[int] = []  # per output token: len(text) through that token
         self.num_decoded = 0  # output tokens whose bytes are all in `text`
-        # Per stop, a KMP automaton: how long a prefix of it the text ends with (held back
-        # from streaming). Fed each new character once, so a request's stops cost O(new
-        # text x stops) a token, however long or repetitive they are.
+        # Per stop, a KMP automaton over the text: whole matches, and how long a prefix of
+        # the stop the text ends with (held back from streaming). Each new character is fed
+        # once, so a request's stops cost O(new text x stops) a token, however long or
+        # repetitive they are.
         self.failure = [_failure_function(s) for s in self.stops]
         self.matched = [0] * len(self.stops)
-        self.num_scanned = 0  # characters of `text` fed to the automata
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -72,42 +72,37 @@ class StopStringChecker:
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return None  # nothing printable yet (partial UTF-8 or a skipped special token)
         before = len(self.text)
-        self.text += new_text[len(prefix_text) :]
+        added = new_text[len(prefix_text) :]
+        self.text += added
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         for i in range(self.num_decoded, len(self.ends)):  # pending tokens complete together
             self.ends[i] = len(self.text)
         self.num_decoded = len(self.ends)
-        # A new match must end in the new text: search each stop from len - 1 characters
-        # before it. (An older match, ignored under min_new_tokens, is never found again.)
+        # The earliest match ending in the new text (an older one, ignored under
+        # min_new_tokens, is never reported again).
         best = None
-        for stop in self.stops:
-            pos = self.text.find(stop, max(0, before - len(stop) + 1))
-            if pos != -1 and (best is None or pos < best[1]):
-                best = (stop, pos)
+        for j, (stop, fail) in enumerate(zip(self.stops, self.failure)):
+            k = self.matched[j]
+            for i, c in enumerate(added, before):
+                while k and stop[k] != c:
+                    k = fail[k - 1]
+                if stop[k] == c:
+                    k += 1
+                if k == len(stop):  # a whole match: go on from its longest proper border
+                    pos = i + 1 - k
+                    if best is None or pos < best[1]:
+                        best = (stop, pos)
+                    k = fail[k - 1]
+            self.matched[j] = k
         if best is None:
             return None
         stop, pos = best
         return stop, bisect.bisect_right(self.ends, pos)
 
-    def _advance_prefix_matchers(self) -> None:
-        new_text = self.text[self.num_scanned :]
-        self.num_scanned = len(self.text)
-        for j, (stop, fail) in enumerate(zip(self.stops, self.failure)):
-            k = self.matched[j]
-            for c in new_text:
-                while k and stop[k] != c:
-                    k = fail[k - 1]
-                if stop[k] == c:
-                    k += 1
-                if k == len(stop):  # a whole match (reported by feed): keep its longest proper border
-                    k = fail[k - 1]
-            self.matched[j] = k
-
     def num_safe_tokens(self) -> int:
         """Output tokens that can no longer be part of a stop string (all, when not trimming)."""
         if not self.trim:
             return len(self.ends)
-        self._advance_prefix_matchers()
         held = max(self.matched, default=0)  # longest text suffix that is a proper prefix of a stop
         return min(bisect.bisect_right(self.ends, len(self.text) - held), self.num_decoded)
 
