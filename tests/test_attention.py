@@ -100,6 +100,34 @@ def test_native_decode_kernel_matches_torch_path_on_long_sequences(dtype, head_d
     torch.testing.assert_close(native, expected, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shares", [0, 1, 2, 3, 16, 200])  # 0: one per thread; 200: more than blocks
+def test_native_decode_kernel_split_kv_matches_torch_path(dtype, shares):
+    """The requests' blocks, end to end, are cut into equal shares run in parallel: a request
+    cut between shares (in up to 76 pieces here) is attended in pieces, then merged."""
+    if cpu_kernels.load_library("paged_decode_attention", dtype) is None:
+        pytest.skip("no C compiler: native kernel unavailable")
+    g = torch.Generator().manual_seed(2)
+    num_blocks, head_dim = 160, 64
+    k_cache = torch.randn(num_blocks, BS, HKV, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, BS, HKV, head_dim, generator=g).to(dtype)
+    from kernels.attention import decode_attention_torch
+
+    k_flat, v_flat = k_cache.float().view(-1, HKV, head_dim), v_cache.float().view(-1, HKV, head_dim)
+    for seq_lens in ([301], [3, 33, 250], [64, 65], [0, 5]):  # 76 blocks; 1, 9, 63; 16, 17; none, 2
+        perm = torch.randperm(num_blocks - 1, generator=g).add(1)
+        starts = [sum(-(-s // BS) for s in seq_lens[:i]) for i in range(len(seq_lens))]
+        tables = [perm[a : a + -(-s // BS)].tolist() for a, s in zip(starts, seq_lens)]
+        meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, BS)
+        q = torch.randn(len(seq_lens), H, head_dim, generator=g).to(dtype)
+        expected = decode_attention_torch(q.float(), k_flat, v_flat, meta, 0.125).to(dtype)
+        native = cpu_kernels.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, 0.125, shares
+        )
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}
+        torch.testing.assert_close(native, expected, **tol, msg=lambda m: f"seq_lens {seq_lens}: {m}")
+
+
 def test_native_decode_kernel_declines_what_it_does_not_read():
     q = torch.randn(2, H, D)
     k_cache = torch.zeros(8, BS, HKV, D)

@@ -111,9 +111,13 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    shares: int = 0,
 ) -> torch.Tensor | None:
     """Decode attention straight from the paged cache; None when the native kernel does
-    not apply (device, dtype, shapes, no compiler), so the caller uses the torch path."""
+    not apply (device, dtype, shapes, no compiler), so the caller uses the torch path.
+    ``shares``: the requests' blocks, end to end, are cut into this many equal shares run
+    in parallel (a request cut between two is attended in pieces, then merged); 0: one per
+    OpenMP thread, 1: no cut."""
     n, heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     if (
@@ -140,12 +144,12 @@ def paged_decode_attention(
     if n and int(lens.max()) > tables.shape[1] * block_size:  # the kernel would read past a table row
         return None
     out = torch.empty_like(q)
-    kernel(
+    status = kernel(
         _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(tables), _ptr(lens), _ptr(out),
         ctypes.c_int(n), ctypes.c_int(heads), ctypes.c_int(kv_heads), ctypes.c_int(head_dim),
-        ctypes.c_int(block_size), ctypes.c_int(tables.shape[1]), ctypes.c_float(scale),
+        ctypes.c_int(block_size), ctypes.c_int(tables.shape[1]), ctypes.c_float(scale), ctypes.c_int(shares),
     )
-    return out
+    return out if status == 0 else None
 
 
 # -- fused element-wise kernels of the decoder layer (csrc/fused_ops.c) ------------------------

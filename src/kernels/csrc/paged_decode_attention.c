@@ -1,7 +1,9 @@
 /* Paged decode attention for the CPU: one query token per request, keys/values read
  * straight from the block-structured cache through the block table (no gather copy).
  *
- * One task per request. Per KV block (block_size tokens) and KV head:
+ * Each thread takes an equal share of all the requests' blocks; a request cut between two
+ * shares is attended in pieces whose softmax states are merged (below, at the entry point).
+ * Per KV block (block_size tokens) and KV head:
  *   scores  four tokens at a time, each with its own vector accumulator: four independent
  *           FMA chains instead of one dependent chain per token (a single chain leaves the
  *           FMA units waiting on their own latency);
@@ -25,7 +27,9 @@
  */
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "elem.h"
@@ -119,82 +123,189 @@ static inline void block_values_any(float *acc, const float *vb, int len, int ro
     }
 }
 
-void KERNEL(paged_decode_attention)(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache,
-                                    const int64_t *block_tables, const int64_t *seq_lens, elem_t *out,
-                                    int n, int H, int Hkv, int D, int block_size, int max_blocks,
-                                    float scale) {
+/* Request i's attention over its KV blocks [b0, b1): the unnormalised output rows `acc`
+ * [H * D] and each query head's online-softmax state (running max `m`, sum `l`). */
+static void attend_blocks(const elem_t *q_i, const elem_t *k_cache, const elem_t *v_cache, const int64_t *table,
+                          int64_t seq, int b0, int b1, int H, int Hkv, int D, int block_size, float scale,
+                          float *acc, float *m, float *l) {
     const int G = H / Hkv;
     const int NV = D / 8;
     const int row_stride = Hkv * D;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int i = 0; i < n; i++) {
-        const int64_t seq = seq_lens[i];
-        const int64_t *table = block_tables + (int64_t)i * max_blocks;
-        /* Per-thread buffers sized by the real shapes (a few KB for common models): a
-         * worker thread's stack may be small (OMP_STACKSIZE, musl's 128 KB). */
+    /* Per-thread buffers sized by the real shapes (a few KB for common models): a worker
+     * thread's stack may be small (OMP_STACKSIZE, musl's 128 KB). */
 #ifdef ELEM_BF16
-        float qi[H * D] __attribute__((aligned(32)));
-        for (int j = 0; j < H * D; j++) qi[j] = ld(q[(int64_t)i * H * D + j]);
-        float kv[block_size * D] __attribute__((aligned(32))); /* one block of K, then of V */
+    float qi[H * D] __attribute__((aligned(32)));
+    for (int j = 0; j < H * D; j++) qi[j] = ld(q_i[j]);
+    float kv[block_size * D] __attribute__((aligned(32))); /* one block of K, then of V */
 #else
-        const float *qi = q + (int64_t)i * H * D;
+    const float *qi = q_i;
 #endif
-        float acc[H * D] __attribute__((aligned(32)));
-        float m[MAX_HEADS], l[MAX_HEADS], corr[MAX_HEADS], s[MAX_HEADS][MAX_BLOCK];
-        for (int hq = 0; hq < H; hq++) {
-            m[hq] = -FLT_MAX;
-            l[hq] = 0.f;
-        }
-        memset(acc, 0, sizeof(float) * H * D);
-        for (int64_t start = 0; start < seq; start += block_size) {
-            const int64_t base = table[start / block_size] * block_size;
-            /* next block's offset (-1: none) and the slice of it requested per pass */
-            const int64_t next = start + block_size < seq ? table[start / block_size + 1] * block_size * row_stride : -1;
-            const int slice = block_size * D; /* = block_size * row_stride / Hkv */
-            const int len = (int)(seq - start < block_size ? seq - start : block_size);
-            for (int h = 0; h < Hkv; h++) {
+    float corr[MAX_HEADS], s[MAX_HEADS][MAX_BLOCK];
+    for (int hq = 0; hq < H; hq++) {
+        m[hq] = -FLT_MAX;
+        l[hq] = 0.f;
+    }
+    memset(acc, 0, sizeof(float) * H * D);
+    for (int b = b0; b < b1; b++) {
+        const int64_t start = (int64_t)b * block_size;
+        const int64_t base = table[b] * block_size;
+        /* next block's offset (-1: none in this range) and the slice of it requested per pass */
+        const int64_t next = b + 1 < b1 ? table[b + 1] * block_size * row_stride : -1;
+        const int slice = block_size * D; /* = block_size * row_stride / Hkv */
+        const int len = (int)(seq - start < block_size ? seq - start : block_size);
+        for (int h = 0; h < Hkv; h++) {
 #ifdef ELEM_BF16
-                const float *kb = kv, *vb = kv;
-                const int kv_stride = D;
-                widen_rows(k_cache + base * row_stride + (int64_t)h * D, len, row_stride, NV, kv);
+            const float *kb = kv, *vb = kv;
+            const int kv_stride = D;
+            widen_rows(k_cache + base * row_stride + (int64_t)h * D, len, row_stride, NV, kv);
 #else
-                const float *kb = k_cache + base * row_stride + (int64_t)h * D;
-                const float *vb = v_cache + base * row_stride + (int64_t)h * D;
-                const int kv_stride = row_stride;
+            const float *kb = k_cache + base * row_stride + (int64_t)h * D;
+            const float *vb = v_cache + base * row_stride + (int64_t)h * D;
+            const int kv_stride = row_stride;
 #endif
-                float(*sh)[MAX_BLOCK] = s + h * G;
-                if (next >= 0) prefetch_slice(k_cache + next + (int64_t)h * slice, slice);
-                block_scores(qi + (int64_t)h * G * D, kb, len, kv_stride, G, NV, scale, sh);
-                for (int g = 0; g < G; g++) {
-                    const int hq = h * G + g;
-                    float mb = m[hq];
-                    for (int t = 0; t < len; t++) mb = sh[g][t] > mb ? sh[g][t] : mb;
-                    float sum = 0.f;
-                    for (int t = 0; t < len; t++) {
-                        sh[g][t] = expf(sh[g][t] - mb);
-                        sum += sh[g][t];
-                    }
-                    corr[g] = expf(m[hq] - mb);
-                    l[hq] = l[hq] * corr[g] + sum;
-                    m[hq] = mb;
+            float(*sh)[MAX_BLOCK] = s + h * G;
+            if (next >= 0) prefetch_slice(k_cache + next + (int64_t)h * slice, slice);
+            block_scores(qi + (int64_t)h * G * D, kb, len, kv_stride, G, NV, scale, sh);
+            for (int g = 0; g < G; g++) {
+                const int hq = h * G + g;
+                float mb = m[hq];
+                for (int t = 0; t < len; t++) mb = sh[g][t] > mb ? sh[g][t] : mb;
+                float sum = 0.f;
+                for (int t = 0; t < len; t++) {
+                    sh[g][t] = expf(sh[g][t] - mb);
+                    sum += sh[g][t];
                 }
-                float *ah = acc + (int64_t)h * G * D;
-                if (next >= 0) prefetch_slice(v_cache + next + (int64_t)h * slice, slice);
-#ifdef ELEM_BF16
-                widen_rows(v_cache + base * row_stride + (int64_t)h * D, len, row_stride, NV, kv); /* K is done */
-#endif
-                if (D == 64)
-                    block_values_d64(ah, vb, len, kv_stride, G, NV, corr, sh);
-                else if (D == 128)
-                    block_values_d128(ah, vb, len, kv_stride, G, NV, corr, sh);
-                else
-                    block_values_any(ah, vb, len, kv_stride, G, NV, corr, sh);
+                corr[g] = expf(m[hq] - mb);
+                l[hq] = l[hq] * corr[g] + sum;
+                m[hq] = mb;
             }
-        }
-        for (int hq = 0; hq < H; hq++) {
-            elem_t *o = out + ((int64_t)i * H + hq) * D;
-            const float inv = l[hq] > 0.f ? 1.f / l[hq] : 0.f;
-            for (int d = 0; d < D; d++) o[d] = st(acc[(int64_t)hq * D + d] * inv);
+            float *ah = acc + (int64_t)h * G * D;
+            if (next >= 0) prefetch_slice(v_cache + next + (int64_t)h * slice, slice);
+#ifdef ELEM_BF16
+            widen_rows(v_cache + base * row_stride + (int64_t)h * D, len, row_stride, NV, kv); /* K is done */
+#endif
+            if (D == 64)
+                block_values_d64(ah, vb, len, kv_stride, G, NV, corr, sh);
+            else if (D == 128)
+                block_values_d128(ah, vb, len, kv_stride, G, NV, corr, sh);
+            else
+                block_values_any(ah, vb, len, kv_stride, G, NV, corr, sh);
         }
     }
+}
+
+/* The work is cut into `chunks` equal shares of all the requests' blocks taken end to end,
+ * one share per thread: a request is one core's read bandwidth (~7 GB/s of the ~13 that two
+ * cores get from DRAM here), so one request, or a few of unequal lengths, would leave threads
+ * idle. A request that straddles a cut is attended in pieces (split-KV, as flash-decoding
+ * does on GPUs) whose softmax states are merged at the end: at most chunks - 1 requests. */
+typedef struct {
+    int req, b0, b1; /* request, its blocks [b0, b1) */
+    int slot;        /* of a split request: its partial state's index; else -1 */
+} Piece;
+
+/* Returns 0, or -1 when out of memory (the caller then takes the torch path). `chunks` <= 0:
+ * one per thread. */
+int KERNEL(paged_decode_attention)(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache,
+                                   const int64_t *block_tables, const int64_t *seq_lens, elem_t *out,
+                                   int n, int H, int Hkv, int D, int block_size, int max_blocks,
+                                   float scale, int chunks) {
+    if (chunks <= 0) chunks = omp_get_max_threads();
+    /* Pieces in order (by chunk, then by request: both ascend together); chunk c owns pieces
+     * [first[c], first[c + 1]). A request's pieces are consecutive. */
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) total += (seq_lens[i] + block_size - 1) / block_size;
+    Piece *pieces = malloc(sizeof(Piece) * (size_t)(n + chunks));
+    int *first = malloc(sizeof(int) * (size_t)(chunks + 1 + n)), *num_pieces = first + chunks + 1;
+    if (!pieces || !first) {
+        free(pieces);
+        free(first);
+        return -1;
+    }
+    int count = 0, i = 0;
+    int64_t start_of_i = 0; /* block offset of request i in the end-to-end order */
+    for (int r = 0; r < n; r++) num_pieces[r] = 0;
+    for (int c = 0; c < chunks; c++) {
+        const int64_t lo = total * c / chunks, hi = total * (c + 1) / chunks;
+        first[c] = count;
+        for (; i < n; i++) {
+            const int64_t blocks = (seq_lens[i] + block_size - 1) / block_size, end_of_i = start_of_i + blocks;
+            if (blocks > 0 && start_of_i < hi) {
+                const int64_t b0 = (lo > start_of_i ? lo : start_of_i) - start_of_i;
+                const int64_t b1 = (hi < end_of_i ? hi : end_of_i) - start_of_i;
+                pieces[count++] = (Piece){i, (int)b0, (int)b1, -1};
+                num_pieces[i]++;
+            }
+            if (end_of_i > hi) break; /* request i goes on in the next chunk */
+            start_of_i = end_of_i;
+        }
+    }
+    first[chunks] = count;
+    for (int r = 0; r < n; r++) /* no keys: zeros, as the torch path gives */
+        if (seq_lens[r] <= 0) memset(out + (int64_t)r * H * D, 0, sizeof(elem_t) * (size_t)H * D);
+    /* Partial states of the pieces of split requests: acc [H * D], then m [H], then l [H]. */
+    int num_partials = 0;
+    for (int k = 0; k < count; k++)
+        if (num_pieces[pieces[k].req] > 1) pieces[k].slot = num_partials++;
+    const int64_t part_floats = (int64_t)H * D + 2 * H;
+    float *partials = num_partials ? malloc(sizeof(float) * (size_t)(num_partials * part_floats)) : NULL;
+    if (num_partials && !partials) {
+        free(pieces);
+        free(first);
+        return -1;
+    }
+#pragma omp parallel for schedule(static, 1)
+    for (int c = 0; c < chunks; c++) {
+        for (int k = first[c]; k < first[c + 1]; k++) {
+            const Piece pc = pieces[k];
+            const elem_t *q_i = q + (int64_t)pc.req * H * D;
+            const int64_t *table = block_tables + (int64_t)pc.req * max_blocks;
+            if (pc.slot >= 0) { /* merged below */
+                float *acc = partials + pc.slot * part_floats, *m = acc + H * D, *l = m + H;
+                attend_blocks(q_i, k_cache, v_cache, table, seq_lens[pc.req], pc.b0, pc.b1, H, Hkv, D, block_size,
+                              scale, acc, m, l);
+                continue;
+            }
+            float acc[H * D] __attribute__((aligned(32)));
+            float m[MAX_HEADS], l[MAX_HEADS];
+            attend_blocks(q_i, k_cache, v_cache, table, seq_lens[pc.req], pc.b0, pc.b1, H, Hkv, D, block_size, scale,
+                          acc, m, l);
+            for (int hq = 0; hq < H; hq++) {
+                elem_t *o = out + ((int64_t)pc.req * H + hq) * D;
+                const float inv = l[hq] > 0.f ? 1.f / l[hq] : 0.f;
+                for (int d = 0; d < D; d++) o[d] = st(acc[(int64_t)hq * D + d] * inv);
+            }
+        }
+    }
+    /* Merge each split request's pieces, every one rescaled to the largest max. */
+    for (int k = 0; k < count;) {
+        const int req = pieces[k].req, parts = num_pieces[req];
+        if (parts > 1) {
+            const float *base = partials + pieces[k].slot * part_floats;
+            for (int hq = 0; hq < H; hq++) {
+                float mx = -FLT_MAX, w[parts], sum = 0.f;
+                for (int p = 0; p < parts; p++) {
+                    const float mp = base[p * part_floats + H * D + hq];
+                    mx = mp > mx ? mp : mx;
+                }
+                for (int p = 0; p < parts; p++) {
+                    const float *part = base + p * part_floats;
+                    w[p] = expf(part[H * D + hq] - mx);
+                    sum += w[p] * part[H * D + H + hq];
+                }
+                const float inv = sum > 0.f ? 1.f / sum : 0.f;
+                elem_t *o = out + ((int64_t)req * H + hq) * D;
+                for (int d = 0; d < D; d++) {
+                    float x = 0.f;
+                    for (int p = 0; p < parts; p++) x += w[p] * base[p * part_floats + (int64_t)hq * D + d];
+                    o[d] = st(x * inv);
+                }
+            }
+        }
+        k += parts;
+    }
+    free(partials);
+    free(pieces);
+    free(first);
+    return 0;
 }
