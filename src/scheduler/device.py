@@ -51,11 +51,13 @@ def accelerator_module(device: torch.device):
 
 
 def free_memory_bytes(device: torch.device) -> int | None:
-    """Memory the device can still give (on the CPU: Linux's MemAvailable); None if unknown."""
+    """Memory the device can still give (on the CPU: Linux's MemAvailable); None if unknown.
+    On accelerators that includes what torch's caching allocator holds unused (freed tensors
+    stay reserved until ``empty_cache``, and the allocator hands them out again)."""
     mod = accelerator_module(device)
     if mod is not None:
         free, _total = mod.mem_get_info(device)
-        return free
+        return free + mod.memory_reserved(device) - mod.memory_allocated(device)
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f)
