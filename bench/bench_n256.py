@@ -21,6 +21,7 @@ Needs torch, triton, transformers and msgspec (see bench/gpu.sh for a bare machi
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -76,6 +77,12 @@ def triton_variants() -> int:
 
     kernels = [*triton_attention._kernels(), *triton_ops._kernels(), triton_sampling._kernel(), triton_gemv._kernel()]
     return sum(len(caches[0]) for k in kernels for caches in getattr(k, "device_caches", {}).values())
+
+
+def release_gpu_memory() -> None:
+    """Hand a finished engine's KV cache back, so the next one can ask for as much."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def build_models():
@@ -161,7 +168,7 @@ def run_batch1(loaded: LoadedModel, args, small_batch_gemv: bool = False, pdl: b
         batch1["forward_lm_head_ms"] = statistics.median(times[20:])
     batch1["weight_bytes"] = runner.weight_bytes  # tied: the embedding is read once, as the LM head
     del engine, runner
-    torch.cuda.empty_cache()
+    release_gpu_memory()
     return batch1
 
 
@@ -215,22 +222,39 @@ def main() -> None:
     bw = copy_bandwidth()
     hf, loaded = build_models()
     n256 = run_engine(loaded, args)
-    torch.cuda.empty_cache()
-    if not args.skip_plain:  # the same engine without the overlap schedule, for the ratio
-        plain = run_engine(loaded, args, overlap=False)
-        n256["plain_schedule_tok_per_s"] = plain["tok_per_s"]
-        n256["overlap_over_plain"] = n256["tok_per_s"] / plain["tok_per_s"]
-        torch.cuda.empty_cache()
-    for budget in args.also_batched_tokens:  # prefill steps run eagerly: fewer of them, less host time
-        other = run_engine(loaded, args, batched_tokens=budget)
-        n256.setdefault("tok_per_s_by_batched_tokens", {args.batched_tokens: n256["tok_per_s"]})[budget] = other["tok_per_s"]
-        torch.cuda.empty_cache()
     result = {"gpu": gpu, "torch": torch.__version__, "n256_engine": n256}
-    for key, gemv, pdl in BATCH1_VARIANTS:
+
+    def save() -> None:  # after every part: a later failure must not lose the numbers so far
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+
+    def attempt(key: str, part) -> dict | None:
+        """Run one secondary part; its failure is recorded under ``key`` and the run goes on."""
         try:
-            batch1 = run_batch1(loaded, args, small_batch_gemv=gemv, pdl=pdl)
-        except Exception as e:  # noqa: BLE001  (an experimental variant must not cost the run's other numbers)
+            return part()
+        except Exception as e:  # noqa: BLE001
             result[key] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            return None
+        finally:
+            release_gpu_memory()
+            save()
+
+    release_gpu_memory()
+    save()
+    if not args.skip_plain:  # the same engine without the overlap schedule, for the ratio
+        plain = attempt("n256_plain_schedule", lambda: run_engine(loaded, args, overlap=False))
+        if plain is not None:
+            n256["plain_schedule_tok_per_s"] = plain["tok_per_s"]
+            n256["overlap_over_plain"] = n256["tok_per_s"] / plain["tok_per_s"]
+    for budget in args.also_batched_tokens:  # prefill steps run eagerly: fewer of them, less host time
+        other = attempt(f"n256_batched_tokens_{budget}", lambda: run_engine(loaded, args, batched_tokens=budget))
+        if other is not None:
+            n256.setdefault("tok_per_s_by_batched_tokens", {args.batched_tokens: n256["tok_per_s"]})[budget] = other["tok_per_s"]
+    for key, gemv, pdl in BATCH1_VARIANTS:
+        # (an experimental variant must not cost the run's other numbers)
+        batch1 = attempt(key, lambda: run_batch1(loaded, args, small_batch_gemv=gemv, pdl=pdl))
+        if batch1 is None:
             continue
         floor_ms = 1e3 * batch1["weight_bytes"] / bw
         batch1.update(copy_bandwidth_gbs=bw / 1e9, hbm_floor_ms=floor_ms,
@@ -238,9 +262,13 @@ def main() -> None:
         if "forward_lm_head_ms" in batch1:
             batch1["forward_x_floor"] = batch1["forward_lm_head_ms"] / floor_ms
         result[key] = batch1
+        save()
     if "hf" not in args.skip.split(","):
-        result["n256_hf"] = run_hf(hf, args)
-        result["engine_over_hf"] = n256["tok_per_s"] / result["n256_hf"]["tok_per_s"]
+        hf_result = attempt("n256_hf", lambda: run_hf(hf, args))
+        if hf_result is not None:
+            result["n256_hf"] = hf_result
+            result["engine_over_hf"] = n256["tok_per_s"] / hf_result["tok_per_s"]
+            save()
 
     print(f"GPU: {gpu}, torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     print(f"N256 engine: {n256['output_tokens']} tokens in {n256['wall_s']:.2f} s = {n256['tok_per_s']:.0f} tok/s "
@@ -251,7 +279,7 @@ def main() -> None:
     if "overlap_over_plain" in n256:
         print(f"N256 without the overlap schedule: {n256['plain_schedule_tok_per_s']:.0f} tok/s "
               f"(overlap / plain = {n256['overlap_over_plain']:.2f})")
-    if "n256_hf" in result:
+    if "engine_over_hf" in result:
         h = result["n256_hf"]
         print(f"N256 HF static batch {h['batch']}: {h['tok_per_s']:.0f} tok/s ({h['batches_run']}/{h['batches_total']} "
               f"batches, {h['wall_s']:.1f} s); engine / HF = {result['engine_over_hf']:.1f}x")
@@ -266,9 +294,7 @@ def main() -> None:
               f"{b1.get('forward_lm_head_ms', float('nan')):.3f} ms, HBM floor {b1['hbm_floor_ms']:.3f} ms "
               f"({b1['weight_bytes'] / 1e9:.2f} GB weights): {b1['engine_step_x_floor']:.2f}x / "
               f"{b1.get('forward_x_floor', float('nan')):.2f}x floor")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    save()
 
 
 if __name__ == "__main__":

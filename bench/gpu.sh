@@ -6,8 +6,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+if ls .whl/*.whl >/dev/null 2>&1; then  # by name: pip takes the wheels that fit this Python
+  python3 -m pip install -q --no-index --find-links .whl --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site msgspec pyzmq || exit 1
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1

@@ -4,7 +4,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# By name from .whl/: pip takes the wheels that fit this Python and ignores the others.
+python3 -m pip install -q --no-index --find-links .whl --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site msgspec pyzmq || exit 1
 export PYTHONPATH=src:/tmp/site PYTHONUNBUFFERED=1
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -s 2>&1 | tee "$out/cuda_tests.log" | grep -E "passed|failed|^E " | tail -12
@@ -13,5 +15,5 @@ if [ -z "${SKIP_PROBE:-}" ]; then
   python3 bench/profile_gpu.py ${PROBE_ARGS:-} 2>&1 | tee "$out/probe.log" | grep -vE "^ +[0-9]+ +[0-9]+ +[0-9]+ +[0-9]+ +[0-9]+ " | tail -40
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
-  SKIP_TESTS=1 bash bench/gpu.sh "$@" | tail -5
+  SKIP_TESTS=1 bash bench/gpu.sh "$@" | tail -12
 fi
