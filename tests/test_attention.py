@@ -76,28 +76,40 @@ def test_store_kv_skips_padding_slots():
     assert flat.sum() == 2 * HKV * D
 
 
+def random_paged_cache(dtype, num_blocks, head_dim, seed):
+    """A generator and random K/V caches for the native kernel (skips without a C compiler)."""
+    if cpu_kernels.load_library("paged_decode_attention", dtype) is None:
+        pytest.skip("no C compiler: native kernel unavailable")
+    g = torch.Generator().manual_seed(seed)
+    return g, *(torch.randn(num_blocks, BS, HKV, head_dim, generator=g).to(dtype) for _ in range(2))
+
+
+def assert_native_decode_matches_torch_path(q, k_cache, v_cache, seq_lens, tables, shares=0):
+    """The native kernel against the torch path in fp32 on the same (rounded) values: the
+    kernel accumulates in fp32 too."""
+    from kernels.attention import decode_attention_torch
+
+    head_dim = k_cache.shape[-1]
+    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, BS)
+    k_flat, v_flat = k_cache.float().view(-1, HKV, head_dim), v_cache.float().view(-1, HKV, head_dim)
+    expected = decode_attention_torch(q.float(), k_flat, v_flat, meta, 0.125).to(q.dtype)
+    native = cpu_kernels.paged_decode_attention(
+        q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, 0.125, shares
+    )
+    assert native.dtype == q.dtype
+    tol = dict(atol=1e-5, rtol=1e-5) if q.dtype == torch.float32 else {}
+    torch.testing.assert_close(native, expected, **tol, msg=lambda m: f"seq_lens {seq_lens}: {m}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("head_dim", [D, 64, 128, 40])  # the generic loop, the two unrolled sizes, 5 vectors
 def test_native_decode_kernel_matches_torch_path_on_long_sequences(dtype, head_dim):
-    if cpu_kernels.load_library("paged_decode_attention", dtype) is None:
-        pytest.skip("no C compiler: native kernel unavailable")
-    g = torch.Generator().manual_seed(0)
     n, num_blocks = 5, 64
-    k_cache = torch.randn(num_blocks, BS, HKV, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, BS, HKV, head_dim, generator=g).to(dtype)
+    g, k_cache, v_cache = random_paged_cache(dtype, num_blocks, head_dim, seed=0)
     seq_lens = [1, 4, 5, 37, 100]
     tables = [torch.randperm(num_blocks - 1, generator=g)[: -(-s // BS)].add(1).tolist() for s in seq_lens]
-    meta = AttentionMetadata.build([1] * n, seq_lens, tables, BS)
     q = torch.randn(n, H, head_dim, generator=g).to(dtype)
-    from kernels.attention import decode_attention_torch
-
-    # The reference in fp32 on the same (rounded) values: the kernel accumulates in fp32 too.
-    k_flat, v_flat = k_cache.float().view(-1, HKV, head_dim), v_cache.float().view(-1, HKV, head_dim)
-    expected = decode_attention_torch(q.float(), k_flat, v_flat, meta, 0.125).to(dtype)
-    native = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, 0.125)
-    assert native.dtype == dtype
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}
-    torch.testing.assert_close(native, expected, **tol)
+    assert_native_decode_matches_torch_path(q, k_cache, v_cache, seq_lens, tables)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -105,27 +117,14 @@ def test_native_decode_kernel_matches_torch_path_on_long_sequences(dtype, head_d
 def test_native_decode_kernel_split_kv_matches_torch_path(dtype, shares):
     """The requests' blocks, end to end, are cut into equal shares run in parallel: a request
     cut between shares (in up to 76 pieces here) is attended in pieces, then merged."""
-    if cpu_kernels.load_library("paged_decode_attention", dtype) is None:
-        pytest.skip("no C compiler: native kernel unavailable")
-    g = torch.Generator().manual_seed(2)
-    num_blocks, head_dim = 160, 64
-    k_cache = torch.randn(num_blocks, BS, HKV, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, BS, HKV, head_dim, generator=g).to(dtype)
-    from kernels.attention import decode_attention_torch
-
-    k_flat, v_flat = k_cache.float().view(-1, HKV, head_dim), v_cache.float().view(-1, HKV, head_dim)
+    num_blocks = 160
+    g, k_cache, v_cache = random_paged_cache(dtype, num_blocks, head_dim=64, seed=2)
     for seq_lens in ([301], [3, 33, 250], [64, 65], [0, 5]):  # 76 blocks; 1, 9, 63; 16, 17; none, 2
         perm = torch.randperm(num_blocks - 1, generator=g).add(1)
         starts = [sum(-(-s // BS) for s in seq_lens[:i]) for i in range(len(seq_lens))]
         tables = [perm[a : a + -(-s // BS)].tolist() for a, s in zip(starts, seq_lens)]
-        meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, BS)
-        q = torch.randn(len(seq_lens), H, head_dim, generator=g).to(dtype)
-        expected = decode_attention_torch(q.float(), k_flat, v_flat, meta, 0.125).to(dtype)
-        native = cpu_kernels.paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, 0.125, shares
-        )
-        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}
-        torch.testing.assert_close(native, expected, **tol, msg=lambda m: f"seq_lens {seq_lens}: {m}")
+        q = torch.randn(len(seq_lens), H, 64, generator=g).to(dtype)
+        assert_native_decode_matches_torch_path(q, k_cache, v_cache, seq_lens, tables, shares)
 
 
 def test_native_decode_kernel_declines_what_it_does_not_read():
