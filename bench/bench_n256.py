@@ -276,6 +276,9 @@ def main() -> None:
           f"Triton compiles after start-up {n256['triton_compiles_after_setup']})")
     for budget, rate in n256.get("tok_per_s_by_batched_tokens", {}).items():
         print(f"N256 with a step budget of {budget} tokens: {rate:.0f} tok/s")
+    for key, part in result.items():  # secondary parts that failed (batch 1's are listed below)
+        if isinstance(part, dict) and "error" in part and not key.startswith("batch1"):
+            print(f"{key}: failed: {part['error']}")
     if "overlap_over_plain" in n256:
         print(f"N256 without the overlap schedule: {n256['plain_schedule_tok_per_s']:.0f} tok/s "
               f"(overlap / plain = {n256['overlap_over_plain']:.2f})")

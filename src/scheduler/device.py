@@ -52,12 +52,15 @@ def accelerator_module(device: torch.device):
 
 def free_memory_bytes(device: torch.device) -> int | None:
     """Memory the device can still give (on the CPU: Linux's MemAvailable); None if unknown.
-    On accelerators that includes what torch's caching allocator holds unused (freed tensors
-    stay reserved until ``empty_cache``, and the allocator hands them out again)."""
+    On accelerators that includes the whole segments torch's caching allocator holds unused
+    (freed tensors stay reserved until ``empty_cache``, and the allocator hands them out
+    again), not the gaps inside segments that still hold live tensors (a large allocation
+    such as the KV cache cannot use those)."""
     mod = accelerator_module(device)
     if mod is not None:
         free, _total = mod.mem_get_info(device)
-        return free + mod.memory_reserved(device) - mod.memory_allocated(device)
+        gaps = mod.memory_stats(device).get("inactive_split_bytes.all.current", 0)
+        return free + mod.memory_reserved(device) - mod.memory_allocated(device) - gaps
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f)

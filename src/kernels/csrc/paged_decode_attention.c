@@ -199,6 +199,10 @@ static void attend_blocks(const elem_t *q_i, const elem_t *k_cache, const elem_t
  * cores get from DRAM here), so one request, or a few of unequal lengths, would leave threads
  * idle. A request that straddles a cut is attended in pieces (split-KV, as flash-decoding
  * does on GPUs) whose softmax states are merged at the end: at most chunks - 1 requests. */
+static inline int64_t blocks_of(int64_t seq, int block_size) {
+    return seq > 0 ? (seq + block_size - 1) / block_size : 0;
+}
+
 typedef struct {
     int req, b0, b1; /* request, its blocks [b0, b1) */
     int slot;        /* of a split request: its partial state's index; else -1 */
@@ -210,11 +214,12 @@ int KERNEL(paged_decode_attention)(const elem_t *q, const elem_t *k_cache, const
                                    const int64_t *block_tables, const int64_t *seq_lens, elem_t *out,
                                    int n, int H, int Hkv, int D, int block_size, int max_blocks,
                                    float scale, int chunks) {
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) total += blocks_of(seq_lens[i], block_size);
     if (chunks <= 0) chunks = omp_get_max_threads();
+    if (chunks > total) chunks = total > 0 ? (int)total : 1; /* no empty chunks: every piece has a block */
     /* Pieces in order (by chunk, then by request: both ascend together); chunk c owns pieces
      * [first[c], first[c + 1]). A request's pieces are consecutive. */
-    int64_t total = 0;
-    for (int i = 0; i < n; i++) total += (seq_lens[i] + block_size - 1) / block_size;
     Piece *pieces = malloc(sizeof(Piece) * (size_t)(n + chunks));
     int *first = malloc(sizeof(int) * (size_t)(chunks + 1 + n)), *num_pieces = first + chunks + 1;
     if (!pieces || !first) {
@@ -229,7 +234,7 @@ int KERNEL(paged_decode_attention)(const elem_t *q, const elem_t *k_cache, const
         const int64_t lo = total * c / chunks, hi = total * (c + 1) / chunks;
         first[c] = count;
         for (; i < n; i++) {
-            const int64_t blocks = (seq_lens[i] + block_size - 1) / block_size, end_of_i = start_of_i + blocks;
+            const int64_t blocks = blocks_of(seq_lens[i], block_size), end_of_i = start_of_i + blocks;
             if (blocks > 0 && start_of_i < hi) {
                 const int64_t b0 = (lo > start_of_i ? lo : start_of_i) - start_of_i;
                 const int64_t b1 = (hi < end_of_i ? hi : end_of_i) - start_of_i;
