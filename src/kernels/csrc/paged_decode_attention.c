@@ -194,6 +194,29 @@ static void attend_blocks(const elem_t *q_i, const elem_t *k_cache, const elem_t
     }
 }
 
+/* A request's output rows from the states of its `parts` pieces (each acc [H * D], m [H],
+ * l [H], `part_floats` apart): every piece rescaled to the largest max, then normalised. */
+static void write_merged(elem_t *out, const float *states, int parts, int64_t part_floats, int H, int D) {
+    for (int hq = 0; hq < H; hq++) {
+        float mx = -FLT_MAX, w[parts], sum = 0.f;
+        for (int p = 0; p < parts; p++) {
+            const float mp = states[p * part_floats + H * D + hq];
+            mx = mp > mx ? mp : mx;
+        }
+        for (int p = 0; p < parts; p++) {
+            const float *part = states + p * part_floats;
+            w[p] = expf(part[H * D + hq] - mx);
+            sum += w[p] * part[H * D + H + hq];
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int d = 0; d < D; d++) {
+            float x = 0.f;
+            for (int p = 0; p < parts; p++) x += w[p] * states[p * part_floats + (int64_t)hq * D + d];
+            out[(int64_t)hq * D + d] = st(x * inv);
+        }
+    }
+}
+
 /* The work is cut into `chunks` equal shares of all the requests' blocks taken end to end,
  * one share per thread: a request is one core's read bandwidth (~7 GB/s of the ~13 that two
  * cores get from DRAM here), so one request, or a few of unequal lengths, would leave threads
@@ -263,52 +286,19 @@ int KERNEL(paged_decode_attention)(const elem_t *q, const elem_t *k_cache, const
     for (int c = 0; c < chunks; c++) {
         for (int k = first[c]; k < first[c + 1]; k++) {
             const Piece pc = pieces[k];
-            const elem_t *q_i = q + (int64_t)pc.req * H * D;
-            const int64_t *table = block_tables + (int64_t)pc.req * max_blocks;
-            if (pc.slot >= 0) { /* merged below */
-                float *acc = partials + pc.slot * part_floats, *m = acc + H * D, *l = m + H;
-                attend_blocks(q_i, k_cache, v_cache, table, seq_lens[pc.req], pc.b0, pc.b1, H, Hkv, D, block_size,
-                              scale, acc, m, l);
-                continue;
-            }
-            float acc[H * D] __attribute__((aligned(32)));
-            float m[MAX_HEADS], l[MAX_HEADS];
-            attend_blocks(q_i, k_cache, v_cache, table, seq_lens[pc.req], pc.b0, pc.b1, H, Hkv, D, block_size, scale,
-                          acc, m, l);
-            for (int hq = 0; hq < H; hq++) {
-                elem_t *o = out + ((int64_t)pc.req * H + hq) * D;
-                const float inv = l[hq] > 0.f ? 1.f / l[hq] : 0.f;
-                for (int d = 0; d < D; d++) o[d] = st(acc[(int64_t)hq * D + d] * inv);
-            }
+            float whole[part_floats] __attribute__((aligned(32))); /* a request in one piece */
+            float *state = pc.slot >= 0 ? partials + pc.slot * part_floats : whole;
+            attend_blocks(q + (int64_t)pc.req * H * D, k_cache, v_cache, block_tables + (int64_t)pc.req * max_blocks,
+                          seq_lens[pc.req], pc.b0, pc.b1, H, Hkv, D, block_size, scale, state, state + H * D,
+                          state + H * D + H);
+            if (pc.slot < 0) write_merged(out + (int64_t)pc.req * H * D, whole, 1, part_floats, H, D);
         }
     }
-    /* Merge each split request's pieces, every one rescaled to the largest max. */
-    for (int k = 0; k < count;) {
-        const int req = pieces[k].req, parts = num_pieces[req];
-        if (parts > 1) {
-            const float *base = partials + pieces[k].slot * part_floats;
-            for (int hq = 0; hq < H; hq++) {
-                float mx = -FLT_MAX, w[parts], sum = 0.f;
-                for (int p = 0; p < parts; p++) {
-                    const float mp = base[p * part_floats + H * D + hq];
-                    mx = mp > mx ? mp : mx;
-                }
-                for (int p = 0; p < parts; p++) {
-                    const float *part = base + p * part_floats;
-                    w[p] = expf(part[H * D + hq] - mx);
-                    sum += w[p] * part[H * D + H + hq];
-                }
-                const float inv = sum > 0.f ? 1.f / sum : 0.f;
-                elem_t *o = out + ((int64_t)req * H + hq) * D;
-                for (int d = 0; d < D; d++) {
-                    float x = 0.f;
-                    for (int p = 0; p < parts; p++) x += w[p] * base[p * part_floats + (int64_t)hq * D + d];
-                    o[d] = st(x * inv);
-                }
-            }
-        }
-        k += parts;
-    }
+    /* The split requests, their pieces' states side by side from their first piece's slot. */
+    for (int k = 0; k < count; k += num_pieces[pieces[k].req])
+        if (pieces[k].slot >= 0)
+            write_merged(out + (int64_t)pieces[k].req * H * D, partials + pieces[k].slot * part_floats,
+                         num_pieces[pieces[k].req], part_floats, H, D);
     free(partials);
     free(pieces);
     free(first);
