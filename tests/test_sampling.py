@@ -148,6 +148,38 @@ def test_filtered_sampling_follows_renormalised_distribution():
     assert torch.allclose(freq, want, atol=0.03)
 
 
+def test_tokens_tied_with_the_kth_stay():
+    # three tokens tie for second place: top_k 2 keeps all three (vLLM's and FlashInfer's
+    # threshold semantics), and so does top_p 0.5, whose mass test counts only the more likely
+    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 0.0]]).repeat(4000, 1)
+    probs = logits[0].softmax(-1)
+    assert probs[0] < 0.5 < probs[0] + probs[1]
+    for kw in ({"top_k": 2}, {"top_p": 0.5}):
+        out = sample(logits.clone(), params(4000, **kw), torch.Generator().manual_seed(0))
+        freq = torch.bincount(out, minlength=5).float() / 4000
+        want = torch.cat([probs[:4] / probs[:4].sum(), torch.zeros(1)])
+        assert torch.allclose(freq, want, atol=0.03), (kw, freq)
+
+
+@pytest.mark.parametrize("kw", [{"top_k": 20}, {"top_k": 20, "top_p": 0.9}, {"min_p": [0.9] * 16}])
+def test_flat_distribution_needs_few_redraws(monkeypatch, kw):
+    # A hot, flat distribution: the first draw lands far below the top 20. Halving redraws
+    # alone would take ~log2(vocab / 20) rounds; narrowing to what the filters keep after
+    # the first rejection leaves one or two.
+    import kernels.sampling as sampling
+
+    draws = []
+    real_draw = sampling._draw
+    monkeypatch.setattr(sampling, "_draw", lambda w, u: draws.append(w.shape[0]) or real_draw(w, u))
+    logits = logits_of(16, seed=3, scale=0.2)
+    min_p = kw.get("min_p", [0.0] * 16)
+    p = params(16, temperature=2.0, top_k=kw.get("top_k", -1), top_p=kw.get("top_p", 1.0), min_p=min_p)
+    out = sample(logits.clone(), p, torch.Generator().manual_seed(0))
+    for i in range(16):
+        assert int(out[i]) in ref_filter(logits[i], 2.0, kw.get("top_k", -1), kw.get("top_p", 1.0), min_p[i])
+    assert len(draws) <= 3, draws
+
+
 def test_tiny_top_p_is_greedy_and_terminates():
     logits = logits_of(8, scale=0.1)  # flat: the rejection loop needs many rounds
     out = sample(logits.clone(), params(8, top_p=1e-6), torch.Generator().manual_seed(0))

@@ -9,7 +9,9 @@ Greedy rows then take the argmax; the others are temperature-scaled and sampled 
 the distribution filtered by top-k, top-p and min-p with SGLang's semantics: a token
 stays if fewer than k tokens are more likely, the probability mass of the tokens more
 likely than it is below top_p (of the whole distribution), and its probability is at
-least min_p times the largest; what stays is renormalised.
+least min_p times the largest; what stays is renormalised. Tokens tied with the k-th
+stay, as in vLLM and FlashInfer's threshold filters (a sort-and-cut would pick among them
+by position).
 
 No sort: a row draws a token by inverse CDF (one uniform per row, a cumulative sum in
 token order) and *accepts* it when it passes the top-k / top-p test, which needs only
@@ -17,7 +19,8 @@ the count and mass of more likely tokens. A rejected token is less likely than e
 token of the kept set, so the row redraws among the tokens more likely than it; the
 kept set is an upper set of the distribution, so the accepted draw follows the
 renormalised kept distribution exactly (the FlashInfer rejection scheme). The first draw
-is accepted with probability >= top_p, so a row rarely needs more than one or two rounds.
+is accepted with probability >= top_p, so a row rarely needs more than one or two rounds;
+a row rejected once has what min_p and top_k certainly drop zeroed first (``_narrow``).
 
 Seeded rows take their uniforms from their own (CPU) generator, one per round, and their
 rounds only depend on their own logits: given the same logits, a seeded request samples
@@ -37,6 +40,7 @@ logger = logging.getLogger(__name__)
 _xgrammar_kernel_ok = True  # cleared after the first failure of xgrammar's bitmask kernel
 
 MAX_REJECTION_ROUNDS = 32  # then a still-rejected row takes its most likely token (always kept)
+NARROW_TOP_K_MAX = 1024  # a larger top_k is left to the redraws (topk's cost grows with k)
 MIN_TEMPERATURE = 1e-5  # temperatures below this sample like greedy (dividing by them overflows)
 # A penalised logit stays below this: a tiny repetition penalty (r -> 0 divides positive
 # logits by r) must not make +inf, whose softmax is NaN; / MIN_TEMPERATURE stays finite.
@@ -272,7 +276,7 @@ def sample_filtered(
     p_mass = top_p * weights.sum(dim=-1) if top_p is not None else None
     active = torch.arange(n, device=weights.device)
     w = weights
-    for _ in range(MAX_REJECTION_ROUNDS):
+    for round_ in range(MAX_REJECTION_ROUNDS):
         w_tok = w.gather(1, tokens[active].unsqueeze(1))
         rejected = w_tok.squeeze(1) < min_w if min_w is not None else torch.zeros_like(active, dtype=torch.bool)
         above = None
@@ -283,7 +287,7 @@ def sample_filtered(
             count = above.sum(dim=-1)
             if top_k is not None:
                 rejected |= count >= top_k
-            if p_mass is not None:
+            if p_mass is not None:  # the mass above: surplus plus w_tok for each of them
                 rejected |= surplus + w_tok.squeeze(1) * count >= p_mass
         if not bool(rejected.any()):
             return tokens
@@ -294,11 +298,30 @@ def sample_filtered(
         top_k = top_k[keep] if top_k is not None else None
         p_mass = p_mass[keep] if p_mass is not None else None
         min_w = min_w[keep] if min_w is not None else None
+        if round_ == 0:
+            w = _narrow(w, top_k, min_w)
         rows = active.tolist()
         tokens[active] = _draw(w, _uniforms(len(rows), weights.device, generator, seeded, rows))
     # still rejected after every round: the most likely token always passes the filters
     tokens[active] = argmax_rows(w)
     return tokens
+
+
+def _narrow(w: torch.Tensor, top_k: torch.Tensor | None, min_w: torch.Tensor | None) -> torch.Tensor:
+    """Zero the weights the filters drop for certain: those below ``min_w`` and, by one
+    topk, those below each row's k-th largest. Left to halving redraws alone, a small
+    top_k over a flat distribution (a high temperature) takes log2(vocab / k) rounds.
+    Exact: what is zeroed is less likely than every kept token, so the counts and masses
+    above the kept ones do not change."""
+    if min_w is not None:
+        w.mul_(w >= min_w.unsqueeze(1))
+    if top_k is not None:
+        limited = top_k < w.shape[1]
+        k = int(top_k.masked_fill(~limited, 0).max())
+        if 0 < k <= NARROW_TOP_K_MAX:
+            kth = w.topk(k, dim=-1).values.gather(1, top_k.clamp(max=k).sub(1).unsqueeze(1))
+            w.mul_((w >= kth) | ~limited.unsqueeze(1))
+    return w
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
