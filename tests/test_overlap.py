@@ -97,6 +97,7 @@ def test_stop_token_found_a_step_late_drops_the_extra_token(loaded, reference):
     assert [c.output_ids for c in out] == [c.output_ids for c in plain]
     assert [c.finish_reason for c in out] == [c.finish_reason for c in plain]
     assert all(c.finish_reason == "stop" and len(c.output_ids) <= 5 for c in out)
+    assert engine.stats.num_generated_tokens == sum(len(c.output_ids) for c in out)  # not the dropped ones
     assert_no_leak(engine)
 
 

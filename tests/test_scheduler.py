@@ -79,6 +79,25 @@ def test_preemption_under_tiny_kv_gives_same_tokens_and_leaks_nothing():
     assert tight == roomy
 
 
+def test_a_token_in_flight_is_awaited_before_preempting():
+    # Under the overlap schedule the next step is planned while the last one's tokens are
+    # in flight. A request short of a block then may have its EOS in flight, which frees its
+    # blocks: preempting another request for it would throw away that one's work.
+    sched, pool = make_scheduler(num_blocks=3, block_size=4)  # 2 usable blocks
+    a = add(sched, "a", [10, 11, 12, 13], max_new=4)
+    b = add(sched, "b", [20, 21, 22], max_new=2)
+    first = sched.schedule()
+    first_sampling = sched.advance(first)  # both prefills launched, their tokens in flight
+    second = sched.schedule()
+    assert second.requests == [b]  # a's next token needs a third block: a waits, nobody is preempted
+    second_sampling = sched.advance(second)
+    sched.complete(first, first_sampling, [2, 50])  # a's token is the stop id
+    sched.complete(second, second_sampling, [51])
+    assert a.finish_reason == "stop" and b.output_ids == [50, 51] and b.finish_reason == "length"
+    assert sched.num_preemptions == 0 and not sched.has_work()
+    assert pool.num_free_blocks == pool.num_blocks
+
+
 def test_prefix_hit_reports_cached_tokens():
     sched, _ = make_scheduler()
     prompt = list(range(40, 53))

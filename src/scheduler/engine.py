@@ -235,9 +235,9 @@ class Engine:
     def _complete(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Take a launched step's tokens, advance its requests, and make their outputs."""
         tokens = launched.result()
-        self.scheduler.complete(launched.batch, launched.sampling, tokens)
-        self.stats.num_generated_tokens += len(tokens)
-        self._recent_tokens(len(tokens))
+        appended = self.scheduler.complete(launched.batch, launched.sampling, tokens)
+        self.stats.num_generated_tokens += appended  # not the tokens of requests already done
+        self._recent_tokens(appended)
         outputs = [self._output_of(req) for req in launched.batch.requests if not req.is_finished]
         return [o for o in outputs if o is not None]
 
@@ -302,7 +302,8 @@ class Engine:
             num_waiting_uncached_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
             num_used_tokens=self.pool.num_used_blocks * self.pool.block_size,
             max_total_num_tokens=self.kv.capacity_tokens,
-            gen_throughput=s.recent_tokens_sum / span if span > 0 else 0.0,
+            # the first entry's tokens came before the span starts
+            gen_throughput=(s.recent_tokens_sum - window[0][1]) / span if span > 0 else 0.0,
             cache_hit_rate=sched.num_cached_prompt_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0,
         )
 

@@ -163,7 +163,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
-        preempted = False
+        pool_short = False  # a running request lacked KV blocks: admit nobody new
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -172,10 +172,16 @@ class Scheduler:
                 i += 1
                 continue
             n = min(req.num_scheduled_tokens - req.num_computed_tokens, budget)
+            if req.num_pending and not self.kv.allocate(req, n):
+                # Its token in flight may end it and free its blocks: wait for that token
+                # rather than preempt a request for a step that may be wasted.
+                pool_short = True
+                i += 1
+                continue
             while not self.kv.allocate(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted = True
+                pool_short = True
                 if victim is req:
                     break
             else:
@@ -184,7 +190,7 @@ class Scheduler:
                 i += 1
 
         while (
-            not preempted
+            not pool_short
             and self.waiting
             and budget > 0
             and len(self.running) < self.config.max_running_requests
@@ -229,17 +235,19 @@ class Scheduler:
                 sampling.append(req)
         return sampling
 
-    def complete(self, batch: ScheduledBatch, sampling: list[Request], sampled: list[int]) -> None:
+    def complete(self, batch: ScheduledBatch, sampling: list[Request], sampled: list[int]) -> int:
         """When a launched step's tokens reach the host: append them (one per sampling
         request, in order), index the newly full KV blocks and retire finished requests.
         Requests that finished meanwhile (aborted, or stopped by the previous step's token
-        while this step was in flight) drop their token."""
+        while this step was in flight) drop their token. Returns how many were appended."""
+        appended = 0
         for req, token in zip(sampling, sampled):
             req.num_pending -= 1
             if req.is_finished:
                 continue
             was_running = req.status is Status.RUNNING
             req.append_token(token)
+            appended += 1
             if req.is_finished:
                 self.kv.commit(req)  # its full blocks stay cached for later prompts
                 # a request preempted while this step ran sits in the queue
@@ -248,6 +256,7 @@ class Scheduler:
         for req in batch.requests:
             if not req.is_finished:
                 self.kv.commit(req)
+        return appended
 
     def update(self, batch: ScheduledBatch, sampled: list[int]) -> None:
         """Advance and complete a step at once (no overlap): ``sampled`` has one token per
