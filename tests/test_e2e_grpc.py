@@ -357,6 +357,15 @@ def test_bad_input_is_invalid_argument(grpc_stub, case, stream):
         assert "context limit" in ei.value.details() and str(CONTEXT_LENGTH) in ei.value.details(), ei.value.details()
 
 
+def test_an_oversized_message_is_refused_before_it_is_parsed(grpc_stub):
+    # 17 MiB of prompt (6M three-byte ids): over the 16 MiB receive limit, refused by gRPC
+    # itself rather than parsed on the event loop (which would stall every other call)
+    with pytest.raises(grpc.RpcError) as ei:
+        generate(grpc_stub, make_request([40000] * 6_000_000, max_new_tokens=1), timeout=60)
+    assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (ei.value.code(), ei.value.details())
+    assert grpc_stub.HealthCheck(pb.HealthCheckRequest(), timeout=5).healthy
+
+
 def test_daemon_healthy_after_bad_inputs(grpc_stub, story):
     for ids, max_new in BAD_INPUTS.values():
         with pytest.raises(grpc.RpcError):
@@ -561,6 +570,15 @@ def test_get_loads(grpc_stub):
     assert 0.0 <= load.token_usage <= 1.0
     assert load.num_running_reqs >= 0 and load.num_waiting_reqs >= 0
     assert load.max_running_requests == 32
+
+
+def test_gen_throughput_falls_to_zero_when_idle(grpc_stub, story):
+    greedy_ids(grpc_stub, story, max_new_tokens=8, ignore_eos=True)
+    assert wait_idle(grpc_stub) == 0
+    deadline = time.monotonic() + 20  # the throughput window is 5 s
+    while (tput := grpc_stub.GetLoads(pb.GetLoadsRequest(), timeout=10).loads[0].gen_throughput) > 0:
+        assert time.monotonic() < deadline, f"an idle daemon still reports {tput} tok/s"
+        time.sleep(0.5)
 
 
 def test_health_check_rpc_is_fast(grpc_stub):

@@ -89,6 +89,9 @@ def test_generation_throughput_over_a_sliding_window(loaded, monkeypatch):
     assert engine.stats.recent_tokens_sum == 70 == sum(n for _, n in engine.stats.recent_tokens)
     # over the 4.5 s from the first entry to the last, the first's tokens came before it
     assert engine.load.gen_throughput == pytest.approx(40 / 4.5)
+    clock[0] = 1000.0 + 12.0  # idle since: nothing is left in the window
+    engine.refresh_load()
+    assert engine.load.gen_throughput == 0.0 and engine.stats.recent_tokens_sum == 0
 
 
 def test_a_grammar_compiling_past_its_time_limit_is_refused_and_delays_no_other(loaded, monkeypatch):
@@ -205,3 +208,10 @@ def test_a_compiling_grammar_holds_only_its_own_request(loaded, reference, monke
 def test_a_kv_cache_larger_than_the_memory_left_is_refused(loaded):
     with pytest.raises(ValueError, match="kv-cache-memory 100TiB is more than"):
         ModelRunner(EngineConfig(device="cpu", kv_cache_memory="100TiB"), loaded)
+
+
+@pytest.mark.parametrize("overrides", [{"kv_cache_memory": "0"}, {"block_size": 100_000}])
+def test_a_kv_budget_below_two_blocks_is_refused(loaded, overrides):
+    # (no floor of 2 blocks that would overrun the budget: 100k-token blocks need 8.6 GiB)
+    with pytest.raises(ValueError, match="fewer than 2 blocks"):
+        ModelRunner(EngineConfig(device="cpu", **overrides), loaded)

@@ -283,15 +283,20 @@ class Engine:
 
     def _recent_tokens(self, num_sampled: int) -> None:
         s = self.stats
-        now = time.monotonic()
-        s.recent_tokens.append((now, num_sampled))
+        s.recent_tokens.append((time.monotonic(), num_sampled))
         s.recent_tokens_sum += num_sampled
-        while s.recent_tokens[0][0] < now - THROUGHPUT_WINDOW_S:
+        self._drop_old_tokens()
+
+    def _drop_old_tokens(self) -> None:
+        s = self.stats
+        horizon = time.monotonic() - THROUGHPUT_WINDOW_S
+        while s.recent_tokens and s.recent_tokens[0][0] < horizon:
             s.recent_tokens_sum -= s.recent_tokens.popleft()[1]
 
     def refresh_load(self) -> None:
         """Publish a new load snapshot (replaced whole, so other threads read it safely)."""
         s, sched = self.stats, self.scheduler
+        self._drop_old_tokens()  # an idle engine's throughput falls to 0
         window = s.recent_tokens
         span = (window[-1][0] - window[0][0]) if len(window) > 1 else 0.0
         self.load = LoadSnapshot(

@@ -142,6 +142,8 @@ class SchedulerLoop:
                 self.profiler.on_step()
                 if time.monotonic() - self.last_stats_log >= STATS_LOG_S:
                     self._log_stats()
+            else:
+                self.engine.refresh_load()  # idle: the load's throughput window empties out
 
     def _log_stats(self) -> None:
         self.last_stats_log = time.monotonic()

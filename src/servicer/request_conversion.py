@@ -133,13 +133,14 @@ def to_add_request(request, model_info: dict) -> AddRequest:
     if queued is not None and n > running + queued:  # its sequences queue one by one: never all admitted
         raise InvalidRequest(f"sampling_params.n={n} sequences can never be queued together: at most {running} run "
                              f"and {queued} wait (--max-running-requests, --max-queued-requests)")
-    input_ids = list(request.tokenized.input_ids)
-    if not input_ids:
+    num_ids = len(request.tokenized.input_ids)
+    if not num_ids:
         raise InvalidRequest("the prompt is empty (tokenized.input_ids has 0 tokens)")
     limit = model_info["max_context_length"]
-    if len(input_ids) >= limit:  # before scanning it; the scheduler's admission checks the rest
-        raise InvalidRequest(f"the prompt has {len(input_ids)} tokens; the context limit is {limit} "
+    if num_ids >= limit:  # before copying or scanning it; the scheduler's admission checks the rest
+        raise InvalidRequest(f"the prompt has {num_ids} tokens; the context limit is {limit} "
                              "(prompt must be shorter)")
+    input_ids = list(request.tokenized.input_ids)
     vocab = model_info["vocab_size"]
     if max(input_ids) >= vocab:  # (uint32 on the wire: never negative)
         bad = next(t for t in input_ids if t >= vocab)

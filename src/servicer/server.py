@@ -25,8 +25,10 @@ from .scheduler_service import SglangSchedulerService
 logger = logging.getLogger("servicer")
 
 GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 256 * 2**20),
-    ("grpc.max_receive_message_length", 256 * 2**20),
+    ("grpc.max_send_message_length", 256 * 2**20),  # e.g. a long output's logprobs in one GenerateComplete
+    # grpc.aio parses requests on the event loop (~25 ms per MiB): a 256 MiB one stalled
+    # every call, health probes included, for seconds. 16 MiB is millions of prompt tokens.
+    ("grpc.max_receive_message_length", 16 * 2**20),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", True),
     ("grpc.so_reuseport", 0),  # a second daemon on our port must fail, not split the traffic
