@@ -217,6 +217,23 @@ def test_logprobs_stream_incremental_and_start_len(grpc_stub, story):
     assert [x.value for x in full.token_logprobs[5:]] == pytest.approx([x.value for x in il.token_logprobs], abs=1e-4)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_new_tokens_0_scores_the_prompt(grpc_stub, hf_model, story, stream):
+    # SGLang's prompt scoring: the prompt is prefilled for its logprobs, nothing is sampled
+    req = make_request(story, params=sampling(max_new_tokens=0), stream=stream)
+    req.return_logprob = True
+    req.logprob_start_len = 0
+    msgs = generate(grpc_stub, req)
+    c = completes_of(msgs)[0]
+    assert list(c.output_ids) == [] and c.finish_reason == "length" and c.completion_tokens == 0
+    il = c.input_logprobs if not stream else next(ch.input_logprobs for ch in chunks_of(msgs))
+    ref = hf_logits(hf_model, story).log_softmax(-1)
+    assert list(il.token_ids) == story
+    for t in range(1, len(story)):
+        assert il.token_logprobs[t].value == pytest.approx(float(ref[t - 1, story[t]]), abs=2e-3)
+    assert all(not ch.token_ids for ch in chunks_of(msgs))
+
+
 # ------------------------------------------------------------------ stop strings, stream_interval
 
 

@@ -146,3 +146,15 @@ def test_length_limit_is_not_scheduled_past(loaded):
         sizes.append(engine.step().batch_size)
     assert sizes == [1, 1, 0]  # prefill (samples token 1), decode (token 2), then only the take
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_prompt_only_request_samples_nothing_and_warms_the_cache(loaded, overlap):
+    engine = make_engine(loaded, overlap=overlap)
+    prompt = prompts(1, seed=4)[0] + list(range(300, 340))
+    only = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=0))[0]
+    assert only.output_ids == [] and only.finish_reason == "length"
+    again = engine.generate([prompt], GREEDY)[0]
+    assert again.num_cached_tokens >= len(prompt) // 16 * 16 - 16 and len(again.output_ids) == 20
+    assert engine.stats.num_generated_tokens == 20
+    assert_no_leak(engine)

@@ -15,7 +15,7 @@ INFO = {"vocab_size": 1000, "max_context_length": 64, "max_running_requests": 4,
 def request(input_ids, n=1, **sp):
     return pb.GenerateRequest(
         request_id="r", tokenized=pb.TokenizedInput(input_ids=input_ids),
-        sampling_params=pb.SamplingParams(max_new_tokens=4, n=n, **sp), logprob_start_len=-1,
+        sampling_params=pb.SamplingParams(**{"max_new_tokens": 4, **sp}, n=n), logprob_start_len=-1,
     )
 
 
@@ -47,3 +47,13 @@ def test_n_beyond_what_can_ever_queue_together_is_invalid(queued, n, refused):
     with pytest.raises(InvalidRequest) as e:
         to_add_request(request([1, 2], n=n), info)
     assert e.value.code == "INVALID_ARGUMENT" and "--max-queued-requests" in str(e.value), e.value
+
+
+def test_max_new_tokens_0_is_a_prompt_only_request():
+    assert to_add_request(request([1, 2], max_new_tokens=0), INFO).sampling.max_new_tokens == 0
+
+
+def test_min_new_tokens_over_max_new_tokens_is_invalid():
+    with pytest.raises(InvalidRequest) as e:
+        to_add_request(request([1, 2], min_new_tokens=5), INFO)  # max_new_tokens 4
+    assert "min_new_tokens (5) must be at most max_new_tokens (4)" in str(e.value)

@@ -163,6 +163,9 @@ class Request:
         min_new_tokens: the sampler masks stop ids while fewer than that many tokens
         exist, so a stop id can end the request from output token min_new_tokens + 1 on.
         """
+        if self.max_new_tokens == 0:  # a prompt-only request: its last prefill step's sample is no output
+            self.finish("length")
+            return
         self.token_ids.append(token_id)
         n = self.num_output_tokens
         if self.grammar is not None and not self.grammar.accept_token(token_id):

@@ -246,8 +246,9 @@ class Scheduler:
             if req.is_finished:
                 continue
             was_running = req.status is Status.RUNNING
+            before = req.num_output_tokens
             req.append_token(token)
-            appended += 1
+            appended += req.num_output_tokens - before  # 0 for a prompt-only request
             if req.is_finished:
                 self.kv.commit(req)  # its full blocks stay cached for later prompts
                 # a request preempted while this step ran sits in the queue

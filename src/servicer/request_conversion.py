@@ -53,9 +53,11 @@ def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
         value = getattr(sp, name)
         if not -2.0 <= value <= 2.0:
             raise InvalidRequest(f"sampling_params.{name} must be in [-2, 2], got {value}")
+    # 0 is allowed, as in SGLang: the prompt is prefilled (cached; prompt logprobs) and nothing sampled
     max_new_tokens = sp.max_new_tokens if sp.HasField("max_new_tokens") else None
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise InvalidRequest("sampling_params.max_new_tokens must be at least 1")
+    if max_new_tokens is not None and sp.min_new_tokens > max_new_tokens:
+        raise InvalidRequest(f"sampling_params.min_new_tokens ({sp.min_new_tokens}) must be at most "
+                             f"max_new_tokens ({max_new_tokens})")
     seed = None
     if sp.HasField("custom_params") and "seed" in sp.custom_params.fields:
         value = sp.custom_params.fields["seed"]

@@ -286,7 +286,8 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         try:
             stats = (await self.client.call("stats", timeout=2.0)).result
         except (SchedulerUnavailable, TimeoutError, asyncio.TimeoutError) as e:
-            stats = {"error": f"scheduler stats unavailable: {e}"}
+            reason = str(e) or f"no answer within 2 s ({type(e).__name__})"  # a timeout's text is empty
+            stats = {"error": f"scheduler stats unavailable: {reason}"}
         start = timestamp_pb2.Timestamp()
         start.FromSeconds(int(self.start_time))
         return pb.GetServerInfoResponse(
