@@ -314,13 +314,13 @@ def _narrow(w: torch.Tensor, top_k: torch.Tensor | None, min_w: torch.Tensor | N
     Exact: what is zeroed is less likely than every kept token, so the counts and masses
     above the kept ones do not change."""
     if min_w is not None:
-        w.mul_(w >= min_w.unsqueeze(1))
+        w.masked_fill_(w < min_w.unsqueeze(1), 0.0)
     if top_k is not None:
         limited = top_k < w.shape[1]
         k = int(top_k.masked_fill(~limited, 0).max())
         if 0 < k <= NARROW_TOP_K_MAX:
             kth = w.topk(k, dim=-1).values.gather(1, top_k.clamp(max=k).sub(1).unsqueeze(1))
-            w.mul_((w >= kth) | ~limited.unsqueeze(1))
+            w.masked_fill_(w < kth.masked_fill_(~limited.unsqueeze(1), 0.0), 0.0)
     return w
 
 
