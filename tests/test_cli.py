@@ -63,7 +63,8 @@ def test_kernel_and_schedule_flags():
     [["--kv-cache-memory", "lots"], ["--max-running-requests", "0"],
      ["--kv-cache-tokens", "10", "--kv-cache-memory", "1GiB"], ["--overlap-schedule", "maybe"],
      ["--port", "70000"], ["--port", "-1"], ["--max-model-len", "0"], ["--num-threads", "0"],
-     ["--kv-cache-tokens", "-100"], ["--dtype", "int8"], ["--max-logprobs", "-1"], ["--max-queued-requests", "-1"]],
+     ["--kv-cache-tokens", "-100"], ["--dtype", "int8"], ["--max-logprobs", "-1"], ["--max-queued-requests", "-1"],
+     ["--watchdog-timeout", "-1"], ["--watchdog-timeout", "nan"]],
 )
 def test_bad_values_are_refused(argv):
     out = parse(argv)

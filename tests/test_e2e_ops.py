@@ -94,6 +94,34 @@ def wait_router_stored(router: Router, daemon: Daemon, at_least: int, timeout: f
 # ------------------------------------------------------------------ 1. kill -9 of the scheduler
 
 
+def test_a_scheduler_that_stops_making_progress_is_killed_by_the_watchdog(tmp_path):
+    """SIGSTOP of the scheduler mid-stream: health goes NOT_SERVING at once; after
+    --watchdog-timeout the daemon kills it, the stream ends UNAVAILABLE naming the watchdog,
+    and the daemon exits 1 for its supervisor, leaving no process behind."""
+    with Daemon(max_running_requests=4, kv_cache_tokens=2048, log_dir=tmp_path,
+                extra_args=["--watchdog-timeout", "4"]) as d:
+        sched = scheduler_pid(d.proc.pid)
+        with grpc.insecure_channel(d.address) as ch:
+            stub = pb_grpc.SglangSchedulerStub(ch)
+            call = stub.Generate(make_request(STORY, max_new_tokens=1500, stream=True, ignore_eos=True), timeout=RPC_TIMEOUT)
+            assert next(call).WhichOneof("response") == "chunk"
+            os.kill(sched, signal.SIGSTOP)
+            t_stop = time.monotonic()
+            with pytest.raises(grpc.RpcError) as ei:
+                for _ in call:
+                    pass
+            waited = time.monotonic() - t_stop
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "watchdog-timeout 4" in ei.value.details(), (
+            ei.value.code(), ei.value.details())
+        assert 4 <= waited < 15, f"the stream ended {waited:.1f} s after the scheduler stopped"
+        try:
+            code = d.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the daemon was still running 15 s after the watchdog fired\n{d.log_tail()}")
+        assert code == 1, d.log_tail()
+        assert pid_gone(sched)
+
+
 def test_scheduler_kill9_fails_fast_and_exits_nonzero(tmp_path):
     """SIGKILL of the scheduler process mid-stream: health says NOT_SERVING (or the server
     is gone) within 2 s, the in-flight stream ends UNAVAILABLE, the daemon exits non-zero

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler's default generator")
     p.add_argument("--shutdown-grace-period", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight requests before aborting them")
+    p.add_argument("--watchdog-timeout", type=float, default=300.0,
+                   help="seconds the scheduler may go without progress (one step, or no heartbeat) before it is "
+                        "killed and the daemon exits 1 for its supervisor to restart it; 0 disables")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="logging verbosity of the daemon and its scheduler process")
     return p
@@ -102,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
         parser.error("--max-logprobs must be at least 0")
     if not args.grammar_compile_timeout > 0:
         parser.error("--grammar-compile-timeout must be a positive number of seconds")
+    if not args.watchdog_timeout >= 0:  # (NaN too)
+        parser.error("--watchdog-timeout must be 0 (off) or a positive number of seconds")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
@@ -134,7 +139,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
         served_model_name=args.served_model_name,
     )
     server = ServerConfig(
-        host=args.host, port=args.port, log_level=args.log_level, shutdown_grace_s=args.shutdown_grace_period
+        host=args.host, port=args.port, log_level=args.log_level, shutdown_grace_s=args.shutdown_grace_period,
+        watchdog_timeout_s=args.watchdog_timeout,
     )
     return engine, server
 

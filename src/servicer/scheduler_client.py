@@ -135,6 +135,13 @@ class SchedulerClient:
             os.unlink(os.path.join(self.ipc_dir, name))
         os.rmdir(self.ipc_dir)
 
+    def kill(self, reason: str) -> None:
+        """SIGKILL the scheduler process (it works on a stopped one too); its exit marks it dead."""
+        logger.error("killing the scheduler process: %s", reason)
+        self.dead_reason = reason
+        if self.process is not None and self.process.returncode is None:
+            self.process.kill()
+
     @property
     def alive(self) -> bool:
         return self.ready.is_set() and not self.died.is_set()

@@ -43,6 +43,7 @@ class ServerConfig:
     log_level: str = "info"
     shutdown_grace_s: float = 30.0
     max_heartbeat_age_s: float = 2.0
+    watchdog_timeout_s: float = 300.0  # 0: never kill a scheduler that stopped making progress
 
 
 class StartupError(Exception):
@@ -140,7 +141,11 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
 
         died = asyncio.create_task(client.died.wait())
         stop_wait = asyncio.create_task(stop_requested.wait())
+        if server_config.watchdog_timeout_s > 0:
+            watchdog = asyncio.create_task(_watchdog(client, server_config.watchdog_timeout_s))
         await asyncio.wait([died, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+        if server_config.watchdog_timeout_s > 0:
+            watchdog.cancel()
         if client.died.is_set():
             logger.error("scheduler failed: %s; exiting so a supervisor can restart us", client.dead_reason)
             exit_code = 1
@@ -152,6 +157,20 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         await server.stop(grace=1.0)
         await client.stop()
         logger.info("stopped")
+
+
+async def _watchdog(client: SchedulerClient, timeout_s: float) -> None:
+    """Kill a scheduler that has made no progress for ``timeout_s`` (one step that never
+    ends, or no heartbeat at all: a stopped or wedged process). Health already says
+    NOT_SERVING by then, but its requests would hang until their clients give up; dead, it
+    fails them with UNAVAILABLE and the daemon exits 1 for its supervisor to restart, as
+    SGLang's --watchdog-timeout does."""
+    while client.alive:
+        await asyncio.sleep(min(1.0, timeout_s / 4))
+        stalled = max(client.heartbeat_age(), client.liveness.in_step_s)
+        if stalled > timeout_s and client.alive:
+            client.kill(f"the scheduler made no progress for {stalled:.0f} s (--watchdog-timeout {timeout_s:g})")
+            return
 
 
 async def _start_engine(client: SchedulerClient) -> None:
