@@ -141,11 +141,9 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
 
         died = asyncio.create_task(client.died.wait())
         stop_wait = asyncio.create_task(stop_requested.wait())
-        if server_config.watchdog_timeout_s > 0:
-            watchdog = asyncio.create_task(_watchdog(client, server_config.watchdog_timeout_s))
+        watchdog = asyncio.create_task(_watchdog(client, server_config.watchdog_timeout_s))
         await asyncio.wait([died, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-        if server_config.watchdog_timeout_s > 0:
-            watchdog.cancel()
+        watchdog.cancel()
         if client.died.is_set():
             logger.error("scheduler failed: %s; exiting so a supervisor can restart us", client.dead_reason)
             exit_code = 1
@@ -164,8 +162,8 @@ async def _watchdog(client: SchedulerClient, timeout_s: float) -> None:
     ends, or no heartbeat at all: a stopped or wedged process). Health already says
     NOT_SERVING by then, but its requests would hang until their clients give up; dead, it
     fails them with UNAVAILABLE and the daemon exits 1 for its supervisor to restart, as
-    SGLang's --watchdog-timeout does."""
-    while client.alive:
+    SGLang's --watchdog-timeout does. 0: off."""
+    while timeout_s > 0 and client.alive:
         await asyncio.sleep(min(1.0, timeout_s / 4))
         stalled = max(client.heartbeat_age(), client.liveness.in_step_s)
         if stalled > timeout_s and client.alive:
