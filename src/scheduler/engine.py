@@ -282,22 +282,19 @@ class Engine:
         self.refresh_load()
 
     def _recent_tokens(self, num_sampled: int) -> None:
+        """Count a step's tokens in the throughput window (refresh_load, which every step
+        ends with, drops the old ones)."""
         s = self.stats
         s.recent_tokens.append((time.monotonic(), num_sampled))
         s.recent_tokens_sum += num_sampled
-        self._drop_old_tokens()
-
-    def _drop_old_tokens(self) -> None:
-        s = self.stats
-        horizon = time.monotonic() - THROUGHPUT_WINDOW_S
-        while s.recent_tokens and s.recent_tokens[0][0] < horizon:
-            s.recent_tokens_sum -= s.recent_tokens.popleft()[1]
 
     def refresh_load(self) -> None:
         """Publish a new load snapshot (replaced whole, so other threads read it safely)."""
         s, sched = self.stats, self.scheduler
-        self._drop_old_tokens()  # an idle engine's throughput falls to 0
         window = s.recent_tokens
+        horizon = time.monotonic() - THROUGHPUT_WINDOW_S
+        while window and window[0][0] < horizon:  # (so an idle engine's throughput falls to 0)
+            s.recent_tokens_sum -= window.popleft()[1]
         span = (window[-1][0] - window[0][0]) if len(window) > 1 else 0.0
         self.load = LoadSnapshot(
             version=self.load.version + 1,

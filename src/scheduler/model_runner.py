@@ -234,11 +234,12 @@ class ModelRunner:
             budget = CPU_DEFAULT_KV_BYTES
         else:
             budget = int(free_memory_bytes(self.device) * GPU_MEMORY_FRACTION)
-        if budget // per_block < 2:  # the null block and one for requests: a floor would overrun the budget
+        num_blocks = budget // per_block
+        if num_blocks < 2:  # the null block and one for requests: a floor would overrun the budget
             raise ValueError(f"a KV cache of {budget / 2**20:.1f} MiB holds fewer than 2 blocks of {self.block_size} "
                              f"tokens ({per_block / 2**20:.1f} MiB each, one of them the null block): "
                              "give more memory (--kv-cache-memory) or a smaller --block-size")
-        return budget // per_block
+        return num_blocks
 
     def _allocate_kv_cache(self) -> None:
         mc = self.model_config
