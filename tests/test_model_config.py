@@ -29,6 +29,17 @@ def test_configs_we_cannot_run_exactly_are_refused(change, error):
         ModelConfig.from_hf_dict({**LLAMA, **change})
 
 
+@pytest.mark.parametrize("change,error", [
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+     "rope scaling 'llama3' needs low_freq_factor, high_freq_factor, original_max_position_embeddings"),
+    (dict(rope_scaling={"type": "linear"}), "rope scaling 'linear' needs factor"),
+    (dict(quantization_config={"quant_method": "fp8"}), r"quantised checkpoints \(fp8\) are not supported"),
+])
+def test_incomplete_or_quantised_configs_are_refused_by_name(change, error):
+    with pytest.raises((ValueError, NotImplementedError), match=error):
+        ModelConfig.from_hf_dict({**LLAMA, **change})
+
+
 def test_qwen_has_a_sliding_window_only_when_a_layer_slides():
     qwen = {**LLAMA, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "sliding_window": 16,
             "use_sliding_window": True}
@@ -88,3 +99,27 @@ def test_tied_config_takes_only_an_identical_lm_head_copy():
     state["lm_head.weight"] += 1.0
     with pytest.raises(ValueError, match="lm_head.weight differs"):
         build_model(config).load_weights(state)
+
+
+def test_loading_consumes_the_state_dict():
+    """The model adopts the checkpoint's tensors and each entry leaves the dict once used:
+    no second copy of the weights outlives the load (fused and cast ones included)."""
+    hf = _tiny_hf("LlamaConfig")
+    config = ModelConfig.from_hf_dict(LLAMA)
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    model = build_model(config, dtype=torch.bfloat16)
+    model.load_weights(state)
+    assert state == {}
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_gguf_tensors_arrive_in_the_target_dtype():
+    """Dequantised one at a time and cast at once: never the whole model in float32."""
+    from scheduler.model_source import resolve_model
+    from scheduler.weights import load_checkpoint
+
+    _, fp32 = load_checkpoint(resolve_model("smollm2"))
+    _, bf16 = load_checkpoint(resolve_model("smollm2"), torch.bfloat16)
+    assert fp32.keys() == bf16.keys() and all(t.dtype == torch.bfloat16 for t in bf16.values())
+    name = "model.layers.0.self_attn.q_proj.weight"  # (unpermuted before the cast)
+    assert torch.equal(bf16[name], fp32[name].to(torch.bfloat16))

@@ -18,6 +18,12 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+# What each supported rope scaling reads (kernels/rotary.py): checked at start-up, so an
+# incomplete config is refused by name rather than with a bare KeyError.
+_ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 @dataclass
@@ -73,6 +79,14 @@ class ModelConfig:
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
         if "type" in rope and "rope_type" not in rope:
             rope["rope_type"] = rope.pop("type")
+        missing = [k for k in _ROPE_SCALING_KEYS.get(rope.get("rope_type"), ()) if k not in rope]
+        if missing:
+            raise ValueError(f"rope scaling {rope['rope_type']!r} needs {', '.join(missing)} in the config")
+        quant = cfg.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+            raise NotImplementedError(f"quantised checkpoints ({method}) are not supported: serve the unquantised "
+                                      "weights, or a GGUF file (dequantised at load)")
         bias = bool(cfg.get("attention_bias", False))
         window = cfg.get("sliding_window")
         if model_type in ("qwen2", "qwen3"):  # sliding only on layers >= max_window_layers, if enabled

@@ -83,16 +83,16 @@ class LoadedModel:
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
-    """Resolve, read and place the weights (one copy, already in the target dtype)."""
+    """Resolve, read and place the weights (each tensor cast to the target dtype as it is
+    read or adopted, so the peak stays near one copy plus a tensor)."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     path = resolve_model(config.model)
     started = time.perf_counter()
     logger.info("loading %s onto %s (%s)", path, device, str(dtype).removeprefix("torch."))
-    model_config, state_dict = load_checkpoint(path)
+    model_config, state_dict = load_checkpoint(path, dtype)
     model = build_model(model_config, dtype=dtype)
-    model.load_weights(state_dict)
-    del state_dict
+    model.load_weights(state_dict)  # (consumes it)
     model = model.to(device=device).eval()
     logger.info("loaded %s: %d layers, %.0fM parameters, in %.1f s", model_config.architecture, model_config.num_layers,
                 sum(p.numel() for p in model.parameters()) / 1e6, time.perf_counter() - started)

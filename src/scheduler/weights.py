@@ -37,10 +37,12 @@ _GGUF_SKIP = {"rope_freqs.weight"}
 _PERMUTED_ARCHS = {"llama", "mistral"}
 
 
-def load_checkpoint(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(config, HF-named state dict) from a ``.gguf`` file or an HF model directory."""
+def load_checkpoint(path: str, dtype: torch.dtype | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(config, HF-named state dict) from a ``.gguf`` file or an HF model directory.
+    ``dtype``: GGUF tensors are dequantised to float32 one at a time and cast to it at once
+    (holding them all in float32 would peak at 4x the final bf16 weights)."""
     if os.path.isfile(path) and path.endswith(".gguf"):
-        return load_gguf(path)
+        return load_gguf(path, dtype)
     if os.path.isdir(path):
         return ModelConfig.from_hf_dir(path), load_hf_safetensors(path)
     raise FileNotFoundError(f"not a .gguf file or an HF model directory: {path}")
@@ -98,7 +100,7 @@ def _dequantize(tensor) -> np.ndarray:
     return data.astype(np.float32, copy=not data.flags.writeable)
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: str, dtype: torch.dtype | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -121,5 +123,5 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             w = unpermute_rope_rows(w, config.num_heads)
         elif permuted and ".self_attn.k_proj." in name:
             w = unpermute_rope_rows(w, config.num_kv_heads)
-        state_dict[name] = w
+        state_dict[name] = w if dtype is None else w.to(dtype)
     return config, state_dict

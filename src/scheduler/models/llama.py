@@ -216,9 +216,13 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Take an HF-named state dict (the model adopts its tensors), fusing q/k/v and gate/up;
-        strict on names and shapes."""
-        sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+        """Take an HF-named state dict, fusing q/k/v and gate/up; strict on names and shapes.
+        The dict is consumed: the model adopts its tensors (copies only to fuse or cast),
+        and each entry leaves it once used, so no second copy of the weights outlives its
+        own step."""
+        sd = state_dict
+        for name in [k for k in sd if k.endswith("rotary_emb.inv_freq")]:
+            del sd[name]
         head = sd.pop("lm_head.weight", None) if self.lm_head is None else None
         if head is not None and not torch.equal(head, sd.get("model.embed_tokens.weight", head)):
             # (some tied checkpoints store the copy anyway; a different one is ambiguous)
@@ -242,5 +246,5 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"{name}: checkpoint shape {tuple(sd[name].shape)} != model {tuple(param.shape)}")
             # Adopt the tensor rather than copy into it: no second copy of the weights
             # (a copy is made only when the dtype differs).
-            param.data = sd[name].to(param.dtype).contiguous()
+            param.data = sd.pop(name).to(param.dtype).contiguous()
             param.requires_grad_(False)
