@@ -88,3 +88,23 @@ def test_a_taken_port_is_a_clear_error_and_leaves_nothing_behind(tmp_path):
     assert r.returncode == 1, r.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not list(tmp_path.iterdir()), "the IPC directory was left behind"
+
+
+def test_a_write_to_a_departed_client_is_not_logged_as_an_error():
+    import logging
+
+    from servicer.cli import ClientGoneFilter
+
+    def record(msg):
+        try:
+            raise RuntimeError("Failed execute_batch")
+        except RuntimeError:
+            import sys
+
+            return logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, "x", 1, msg, None, sys.exc_info())
+
+    gone = record("ExecuteBatchError raised in core by servicer method [/sglang.grpc.scheduler.SglangScheduler/Generate]")
+    ClientGoneFilter().filter(gone)
+    assert gone.levelno == logging.DEBUG and gone.exc_info is None
+    other = record("Unexpected error in servicer method")
+    assert ClientGoneFilter().filter(other) and other.levelno == logging.ERROR

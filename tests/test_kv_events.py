@@ -79,15 +79,14 @@ def run_with_server(test, hub=None):
     from scheduler.config import EngineConfig
     from servicer.generated import common_pb2
     from servicer.generated import sglang_scheduler_pb2_grpc as pb_grpc
-    from servicer.kv_events import KvEventHub
     from servicer.scheduler_service import SglangSchedulerService
 
     async def main():
         client = FakeClient()
-        if hub is not None:
-            client.kv_event_hub = hub
-            client.kv_event_listener = hub.publish
         service = SglangSchedulerService(client, SimpleNamespace(shutting_down=False), EngineConfig())
+        if hub is not None:
+            service.kv_events = hub
+            client.kv_event_listener = hub.publish
         server = grpc.aio.server()
         pb_grpc.add_SglangSchedulerServicer_to_server(service, server)
         port = server.add_insecure_port("127.0.0.1:0")
@@ -95,7 +94,7 @@ def run_with_server(test, hub=None):
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 stub = pb_grpc.SglangSchedulerStub(ch)
-                await asyncio.wait_for(test(client, KvEventHub.for_client(client), stub, common_pb2), 20)
+                await asyncio.wait_for(test(client, service.kv_events, stub, common_pb2), 20)
         finally:
             await server.stop(0)
 

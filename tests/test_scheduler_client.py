@@ -41,9 +41,43 @@ def test_a_trailing_heartbeat_never_brings_back_an_older_load():
             # ... and an equal version (heartbeats between steps) is taken
             await scheduler.send(from_scheduler_encoder.encode(Heartbeat(LoadSnapshot(version=9, num_waiting=0), 0.0)))
             await _wait_for(lambda: client.liveness.load.num_waiting == 0)
+
+            # A heartbeat from inside a step that trails the step's output: its in-step time
+            # is as stale as its load (the watchdog and health read it).
+            await scheduler.send(from_scheduler_encoder.encode(Heartbeat(LoadSnapshot(version=9), 70.0)))
+            await _wait_for(lambda: client.liveness.in_step_s == 70.0)
+            await scheduler.send(from_scheduler_encoder.encode(StepOutput([], step=4, batch_size=1, num_tokens=1,
+                                                                          load=LoadSnapshot(version=10))))
+            await scheduler.send(from_scheduler_encoder.encode(Heartbeat(LoadSnapshot(version=9), 70.5)))
+            await scheduler.send(from_scheduler_encoder.encode(StepOutput([], step=4, batch_size=1, num_tokens=1,
+                                                                          load=LoadSnapshot(version=10, num_running=5))))
+            await _wait_for(lambda: client.liveness.load.num_running == 5)
+            assert client.liveness.in_step_s == 0.0
         finally:
             scheduler.close(0)
             reader.cancel()
+            client._reader = reader
+            await client.stop()
+
+    asyncio.run(scenario())
+
+
+def test_an_unreadable_message_marks_the_scheduler_dead_at_once():
+    """A failure in the read loop must not leave every request waiting for the watchdog."""
+
+    async def scenario():
+        client = SchedulerClient(EngineConfig(model="unused"))
+        reader = asyncio.create_task(client._read_loop())
+        scheduler = client.ctx.socket(zmq.PUSH)
+        scheduler.connect(client.outbox_addr)
+        try:
+            waiter = asyncio.Queue()
+            client._requests["r1"] = waiter
+            await scheduler.send(b"not msgspec")
+            error = await asyncio.wait_for(waiter.get(), 5)
+            assert client.died.is_set() and "could not read the scheduler's messages" in str(error), error
+        finally:
+            scheduler.close(0)
             client._reader = reader
             await client.stop()
 
@@ -86,6 +120,12 @@ def test_a_cancelled_id_stays_taken_until_the_scheduler_lets_go_of_it():
             await outbox.send(from_scheduler_encoder.encode(output("cz", [5, 6], "length")))
             got = await asyncio.wait_for(new.get(), 5)
             assert got.new_token_ids == [5, 6] and got.finish_reason == "length"
+
+            # Finished, its caller not done reading (an n > 1 call, a slow stream): an Abort
+            # finds nothing to abort, and a cancel frees the id at once (no final output comes).
+            assert client.abort("cz") is False
+            client.cancel("cz", "client cancelled")
+            assert not client.has_request("cz")
         finally:
             inbox.close(0)
             outbox.close(0)
@@ -94,3 +134,25 @@ def test_a_cancelled_id_stays_taken_until_the_scheduler_lets_go_of_it():
             await client.stop()
 
     asyncio.run(scenario())
+
+
+def test_readiness_turns_not_serving_after_30_s_in_one_step():
+    """As SGLang's readiness: a scheduler that has pushed nothing for 30 s while requests
+    are pending is stuck; one step running that long is that case (steps are pending work)."""
+    import time
+    from types import SimpleNamespace
+
+    from servicer.health import NOT_SERVING, SERVICE_NAME, SERVING, HealthState
+    from servicer.scheduler_client import Liveness
+
+    ready, died = asyncio.Event(), asyncio.Event()
+    ready.set()
+    liveness = Liveness(last_message=time.monotonic())
+    client = SimpleNamespace(died=died, ready=ready, liveness=liveness,
+                             heartbeat_age=lambda: time.monotonic() - liveness.last_message)
+    health = HealthState(client)
+    health.warmed_up = True
+    liveness.in_step_s = 29.0
+    assert health.status(SERVICE_NAME) == SERVING
+    liveness.in_step_s = 31.0
+    assert health.status(SERVICE_NAME) == NOT_SERVING and "stuck in one step for 31 s" in health.problem()

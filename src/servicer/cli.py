@@ -145,12 +145,26 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
     return engine, server
 
 
+class ClientGoneFilter(logging.Filter):
+    """grpc.aio logs a write to a stream whose client has gone (disconnected while flow
+    control held the write) as an ERROR with a traceback, yet nothing failed on our side:
+    the handler's cleanup has run and the request's KV is freed. One debug line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("ExecuteBatchError raised in core by servicer method"):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.exc_info = record.exc_text = None
+            return logging.getLogger("servicer").isEnabledFor(logging.DEBUG)
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     engine, server = parse_args(argv)
     logging.basicConfig(
         level=server.log_level.upper(), format="%(asctime)s %(levelname)s servicer[%(process)d]: %(message)s"
     )
     logging.getLogger("grpc").setLevel(logging.INFO)  # its debug lines are per event-loop call
+    logging.getLogger("grpc._cython.cygrpc").addFilter(ClientGoneFilter())
     try:
         import uvloop
 

@@ -21,7 +21,9 @@ SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 class HealthState:
     """What the daemon knows about its own health; read by both health surfaces."""
 
-    def __init__(self, client, max_heartbeat_age: float = 2.0, stuck_after: float = 60.0):
+    # stuck_after: SGLang's readiness turns NOT_SERVING after 30 s without output while
+    # requests are pending; a step (always pending work) running that long is that case.
+    def __init__(self, client, max_heartbeat_age: float = 2.0, stuck_after: float = 30.0):
         self.client = client
         self.max_heartbeat_age = max_heartbeat_age
         self.stuck_after = stuck_after

@@ -149,16 +149,6 @@ class KvEventHub:
         self.subscribers: set[_Subscriber] = set()
         self._event_ids = itertools.count(1)
 
-    @classmethod
-    def for_client(cls, client) -> "KvEventHub":
-        """The hub fed by ``client`` (created, and hooked to it, on first use)."""
-        hub = getattr(client, "kv_event_hub", None)
-        if hub is None:
-            hub = cls()
-            client.kv_event_hub = hub
-            client.kv_event_listener = hub.publish
-        return hub
-
     # -- publisher side (called from the client's read loop) ----------------------------
     def publish(self, msg: KvEvents) -> common_pb2.KvEventBatch | None:
         events = to_proto_events(msg.events, self._event_ids)

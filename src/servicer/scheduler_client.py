@@ -70,7 +70,9 @@ class SchedulerClient:
         self.inbox_addr = f"ipc://{ipc_dir}/to-scheduler-{tag}"
         self.outbox_addr = f"ipc://{ipc_dir}/from-scheduler-{tag}"
         self.ipc_dir = ipc_dir
-        self.to_scheduler = self.ctx.socket(zmq.PUSH)
+        # Sends never wait (no HWM): a plain socket on the same context, so a failed send
+        # raises in its caller instead of in a future nobody awaits.
+        self.to_scheduler = zmq.Context.shadow(self.ctx.underlying).socket(zmq.PUSH)
         self.to_scheduler.setsockopt(zmq.LINGER, 0)
         self.to_scheduler.bind(self.inbox_addr)
         self.from_scheduler = self.ctx.socket(zmq.PULL)
@@ -82,6 +84,7 @@ class SchedulerClient:
         self.ready = asyncio.Event()
         self.died = asyncio.Event()
         self._requests: dict[str, asyncio.Queue] = {}
+        self._finished: set[str] = set()  # of those, the ids whose final output has arrived
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
         self._reader: asyncio.Task | None = None
@@ -171,42 +174,59 @@ class SchedulerClient:
             logger.error("scheduler process exited with code %s", code)
 
     async def _read_loop(self) -> None:
-        while True:
-            raw = await self.from_scheduler.recv(copy=False)
-            msg = from_scheduler_decoder.decode(raw.buffer)
-            self.liveness.last_message = time.monotonic()
-            if isinstance(msg, StepOutput):
-                if msg.load is not None:  # before the outputs: a finished request is no longer counted
-                    self._take_load(msg.load)
-                for out in msg.outputs:
-                    queue = self._requests.get(out.request_id)
-                    if queue is _DISCARD:
-                        if out.finish_reason is not None:  # a cancelled request is gone at last
-                            del self._requests[out.request_id]
-                    elif queue is not None:
-                        queue.put_nowait(out)
-            elif isinstance(msg, Heartbeat):
-                self._take_load(msg.load)
-                self.liveness.in_step_s = msg.in_step_s
-            elif isinstance(msg, ControlReply):
-                fut = self._calls.pop(msg.call_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-            elif isinstance(msg, EngineReady):
-                self.model_info = msg.model_info
-                self.ready.set()
-            elif isinstance(msg, EngineDead):
-                self._mark_dead(msg.reason)
-            elif isinstance(msg, KvEvents) and self.kv_event_listener is not None:
-                try:
-                    self.kv_event_listener(msg)
-                except Exception:  # never let a listener stop the read loop
-                    logger.exception("KV event listener failed")
+        try:
+            while True:
+                raw = await self.from_scheduler.recv(copy=False)
+                self._dispatch(from_scheduler_decoder.decode(raw.buffer))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug here would leave every request waiting for the watchdog
+            logger.exception("reading the scheduler's messages failed")
+            self.kill(f"the servicer could not read the scheduler's messages: {type(e).__name__}: {e}")
+            self._mark_dead(self.dead_reason)
 
-    def _take_load(self, load: LoadSnapshot) -> None:
-        """Keep the newest snapshot: a heartbeat may overtake, or trail, a step's output."""
-        if load.version >= self.liveness.load.version:
-            self.liveness.load = load
+    def _dispatch(self, msg) -> None:
+        self.liveness.last_message = time.monotonic()
+        if isinstance(msg, StepOutput):
+            self.liveness.in_step_s = 0.0  # that step is over
+            if msg.load is not None:  # before the outputs: a finished request is no longer counted
+                self._take_load(msg.load)
+            for out in msg.outputs:
+                queue = self._requests.get(out.request_id)
+                if queue is _DISCARD:
+                    if out.finish_reason is not None:  # a cancelled request is gone at last
+                        del self._requests[out.request_id]
+                elif queue is not None:
+                    queue.put_nowait(out)
+                    if out.finish_reason is not None:  # (its caller may still be reading)
+                        self._finished.add(out.request_id)
+        elif isinstance(msg, Heartbeat):
+            # Sent beside the step outputs: one from inside a step can arrive after
+            # that step's output, and its in-step time is then stale.
+            if self._take_load(msg.load):
+                self.liveness.in_step_s = msg.in_step_s
+        elif isinstance(msg, ControlReply):
+            fut = self._calls.pop(msg.call_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, EngineReady):
+            self.model_info = msg.model_info
+            self.ready.set()
+        elif isinstance(msg, EngineDead):
+            self._mark_dead(msg.reason)
+        elif isinstance(msg, KvEvents) and self.kv_event_listener is not None:
+            try:
+                self.kv_event_listener(msg)
+            except Exception:  # never let a listener stop the read loop
+                logger.exception("KV event listener failed")
+
+    def _take_load(self, load: LoadSnapshot) -> bool:
+        """Keep the newest snapshot: a heartbeat may overtake, or trail, a step's output.
+        False for an older one."""
+        if load.version < self.liveness.load.version:
+            return False
+        self.liveness.load = load
+        return True
 
     # -- requests --------------------------------------------------------------------
     def in_flight_ids(self) -> list[str]:
@@ -232,6 +252,7 @@ class SchedulerClient:
     def release(self, request_id: str) -> None:
         """Forget a finished request's queue (its final output has arrived)."""
         self._requests.pop(request_id, None)
+        self._finished.discard(request_id)
 
     def cancel(self, request_id: str, reason: str = "") -> None:
         """Abort a request nobody waits for any more. Its id stays taken, its outputs
@@ -239,16 +260,16 @@ class SchedulerClient:
         the id must never receive the old one's tokens or abort notice."""
         if request_id not in self._requests:
             return
-        if not self.alive:  # no final output will come
-            self._requests.pop(request_id)
+        if request_id in self._finished or not self.alive:  # no (further) final output will come
+            self.release(request_id)
             return
         self.abort(request_id, reason)
         self._requests[request_id] = _DISCARD
 
     def abort(self, request_id: str, reason: str = "") -> bool:
-        """Ask the scheduler to drop a request and free its KV; False if unknown here (or
-        already cancelled)."""
-        if self._requests.get(request_id, _DISCARD) is _DISCARD or not self.alive:
+        """Ask the scheduler to drop a request and free its KV; False if unknown here,
+        already cancelled, or already finished."""
+        if self._requests.get(request_id, _DISCARD) is _DISCARD or request_id in self._finished or not self.alive:
             return False
         self.to_scheduler.send(to_scheduler_encoder.encode(AbortRequest(request_id, reason)))
         return True

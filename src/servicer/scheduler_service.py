@@ -27,6 +27,7 @@ from .tokenizer_bundle import build_bundle, chunks
 
 logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
+FLUSH_ANSWER_S = 10.0  # the scheduler answers a flush between steps
 
 
 def _struct(values: dict) -> struct_pb2.Struct:
@@ -75,6 +76,8 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         self.last_receive_time = 0.0
         self.children: dict[str, list[str]] = {}  # parent request id -> scheduler request ids
         self._bundle: asyncio.Task | None = None  # (zip bytes, sha256), built once
+        self.kv_events = KvEventHub()  # numbered from the first batch, subscribers or not
+        client.kv_event_listener = self.kv_events.publish
 
     @property
     def info(self) -> dict:
@@ -359,9 +362,12 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         deadline = time.monotonic() + max(request.timeout_s, 0)
         while True:
             try:
-                reply = await self.client.call("flush_cache", timeout=10.0)
-            except (SchedulerUnavailable, TimeoutError, asyncio.TimeoutError) as e:
+                reply = await self.client.call("flush_cache", timeout=FLUSH_ANSWER_S)
+            except SchedulerUnavailable as e:
                 return common_pb2.FlushCacheResponse(success=False, message=f"scheduler unavailable: {e}")
+            except (TimeoutError, asyncio.TimeoutError):  # (answered between steps: one ran that long)
+                return common_pb2.FlushCacheResponse(
+                    success=False, message=f"the scheduler is busy: no answer within {FLUSH_ANSWER_S:g} s")
             if reply.ok or time.monotonic() >= deadline:
                 return common_pb2.FlushCacheResponse(success=reply.ok, message=reply.message)
             await asyncio.sleep(0.05)
@@ -375,7 +381,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
     async def SubscribeKvEvents(self, request, context):
         """Prefix-cache events with load records, replayable by cursor (contract §8)."""
         await self._require_ready(context)
-        async for batch in KvEventHub.for_client(self.client).stream(request, context, self.client):
+        async for batch in self.kv_events.stream(request, context, self.client):
             yield batch
 
     async def StartProfile(self, request, context):
