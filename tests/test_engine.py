@@ -82,16 +82,55 @@ def test_generation_throughput_over_a_sliding_window(loaded, monkeypatch):
     engine = make_engine(loaded)
     clock = [1000.0]
     monkeypatch.setattr("scheduler.engine.time", SimpleNamespace(monotonic=lambda: clock[0]))  # this module's clock only
-    for t, n in [(0.0, 10), (1.0, 20), (2.0, 30), (6.5, 40)]:  # the 5 s window drops the first two
+    for t, n in [(0.0, 10), (1.0, 20), (2.0, 30), (6.5, 40)]:  # the 5 s window drops the first
         clock[0] = 1000.0 + t
         engine._recent_tokens(n)
         engine.refresh_load()
-    assert engine.stats.recent_tokens_sum == 70 == sum(n for _, n in engine.stats.recent_tokens)
-    # over the 4.5 s from the first entry to the last, the first's tokens came before it
-    assert engine.load.gen_throughput == pytest.approx(40 / 4.5)
+    # the newest entry older than the window (t=1) stays as the span's start: its tokens came before it
+    assert engine.stats.recent_tokens_sum == 90 == sum(n for _, n in engine.stats.recent_tokens)
+    assert engine.load.gen_throughput == pytest.approx((30 + 40) / 5.5)
     clock[0] = 1000.0 + 12.0  # idle since: nothing is left in the window
     engine.refresh_load()
     assert engine.load.gen_throughput == 0.0 and engine.stats.recent_tokens_sum == 0
+
+    # Steps longer than the window (a busy CPU): still a rate, not 0
+    for t, n in [(20.0, 10), (26.0, 20), (32.0, 30)]:
+        clock[0] = 1000.0 + t
+        engine._recent_tokens(n)
+        engine.refresh_load()
+    assert engine.load.gen_throughput == pytest.approx(30 / 6.0)
+
+
+def test_waiting_uncached_tokens_leave_out_prefix_hits_and_count_held_requests(loaded, monkeypatch):
+    """The load's queued prefill work (the router's least-load input): a queued request's
+    tokens minus its prefix-cache hit, plus every token of one held for its grammar."""
+    import threading
+
+    from scheduler import engine as engine_mod
+    from scheduler.messages import AddRequest
+
+    gate = threading.Event()
+    monkeypatch.setattr(engine_mod, "_compile_grammar", lambda *args: gate.wait(60))
+    engine = make_engine(loaded, max_running_requests=1)
+    shared, other, fresh = prompts(3, seed=11)
+    shared = (shared * 3)[:64]  # four full 16-token blocks
+    engine.generate([shared], GREEDY)  # caches them
+    try:
+        engine.add_request(AddRequest("runs", other, GREEDY))  # the one running slot
+        engine.step()
+        engine.add_request(AddRequest("hit", shared + [7, 8, 9], GREEDY))
+        engine.add_request(AddRequest("miss", (fresh * 2)[:30], GREEDY))
+        regex = SamplingParams(temperature=0.0, max_new_tokens=8, constraint_kind="regex", constraint="(a|b)")
+        engine.add_request(AddRequest("held", other[:20], regex))
+        engine.refresh_load()
+        assert engine.load.num_waiting == 3
+        assert engine.load.num_waiting_uncached_tokens == (67 - 64) + 30 + 20
+    finally:
+        gate.set()
+        for rid in ("runs", "hit", "miss", "held"):
+            engine.abort(rid)
+        engine.step()
+    assert_no_leak(engine)
 
 
 def test_a_grammar_compiling_past_its_time_limit_is_refused_and_delays_no_other(loaded, monkeypatch):
@@ -104,7 +143,7 @@ def test_a_grammar_compiling_past_its_time_limit_is_refused_and_delays_no_other(
     from scheduler import engine as engine_mod
     from scheduler.messages import AddRequest
 
-    engine = make_engine(loaded, grammar_compile_timeout_s=1.0)
+    engine = make_engine(loaded, grammar_compile_timeout_s=5.0)  # (a cached compile took 1.3 s under load)
     good = SamplingParams(temperature=0.0, max_new_tokens=8, constraint_kind="regex", constraint="(yes|no)!")
     engine.generate([prompts(1, seed=5)[0]], good)  # builds the vocabulary tables: later compiles take ms
 
@@ -131,7 +170,7 @@ def test_a_grammar_compiling_past_its_time_limit_is_refused_and_delays_no_other(
                 if o.error:
                     errors[o.request_id] = (o.error_code, o.error)
         assert sorted(errors) == ["stuck-1", "stuck-2"], errors
-        assert all(code == "INVALID_ARGUMENT" and "did not compile within 1 s" in msg for code, msg in errors.values())
+        assert all(code == "INVALID_ARGUMENT" and "did not compile within 5 s" in msg for code, msg in errors.values())
         from scheduler.stop_strings import load_tokenizer
 
         *text, end = tokens["queued"]
@@ -140,16 +179,69 @@ def test_a_grammar_compiling_past_its_time_limit_is_refused_and_delays_no_other(
         assert_no_leak(engine)
 
         # Both abandoned compiles still run (and hold a core each): new grammars are refused...
-        assert len(engine.overrunning_compiles) == 2
+        assert len(engine.abandoned_compiles) == 2
         with pytest.raises(engine_mod.AdmissionError) as ei:
             engine.add_request(AddRequest("refused", prompts(1, seed=7)[0], good))
         assert ei.value.code == "RESOURCE_EXHAUSTED", ei.value
         # ... until they end
         gate.set()
-        while engine.overrunning_compiles:
+        while engine.abandoned_compiles:
             assert time.monotonic() < deadline, "the abandoned compiles never ended"
             time.sleep(0.05)
         assert engine.generate([prompts(1, seed=7)[0]], good)[0].finish_reason == "stop"
+    finally:
+        gate.set()  # let the abandoned threads end
+
+
+def test_a_cancelled_request_compiling_its_grammar_holds_no_thread(loaded, monkeypatch):
+    """A compile cannot be interrupted: aborting its request while it runs must not leave it
+    holding a grammar thread outside the time limit and the abandoned-compile cap. Later
+    grammars compile on fresh threads at once; while both abandoned ones run, new
+    constraints are refused."""
+    import threading
+    import time
+
+    from scheduler import engine as engine_mod
+    from scheduler.messages import AddRequest
+
+    engine = make_engine(loaded, grammar_compile_timeout_s=30.0)
+    good = SamplingParams(temperature=0.0, max_new_tokens=8, constraint_kind="regex", constraint="(yes|no)!")
+    engine.generate([prompts(1, seed=5)[0]], good)  # builds the vocabulary tables: later compiles take ms
+
+    gate = threading.Event()
+    real = engine_mod._compile_grammar
+
+    def stuck_on_purpose(*args):
+        if args[4] == "(stuck)!":
+            gate.wait(60)
+        return real(*args)
+
+    monkeypatch.setattr(engine_mod, "_compile_grammar", stuck_on_purpose)
+    stuck = SamplingParams(temperature=0.0, max_new_tokens=8, constraint_kind="regex", constraint="(stuck)!")
+    try:
+        for rid in ("stuck-1", "stuck-2"):
+            engine.add_request(AddRequest(rid, prompts(1, seed=6)[0], stuck))
+        deadline = time.monotonic() + 30
+        while not all(job.future.running() for job in engine.compiling.values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert engine.abort("stuck-1") and engine.abort("stuck-2")
+        assert [o.finish_reason for o in engine.finished_outputs()] == ["abort", "abort"]
+        assert len(engine.abandoned_compiles) == 2
+        with pytest.raises(engine_mod.AdmissionError) as ei:
+            engine.add_request(AddRequest("refused", prompts(1, seed=7)[0], good))
+        assert ei.value.code == "RESOURCE_EXHAUSTED" and "cancelled requests" in str(ei.value)
+        gate.set()
+        while engine.abandoned_compiles:
+            assert time.monotonic() < deadline, "the abandoned compiles never ended"
+            time.sleep(0.05)
+        gate.clear()  # stuck again: a new grammar must not wait behind anything
+        engine.add_request(AddRequest("stuck-3", prompts(1, seed=6)[0], stuck))
+        assert engine.abort("stuck-3") and engine.finished_outputs()[0].request_id == "stuck-3"
+        started = time.monotonic()
+        done = engine.generate([prompts(1, seed=7)[0]], good)[0]
+        assert done.finish_reason == "stop" and time.monotonic() - started < 20
+        assert_no_leak(engine)
     finally:
         gate.set()  # let the abandoned threads end
 
@@ -215,3 +307,19 @@ def test_a_kv_budget_below_two_blocks_is_refused(loaded, overrides):
     # (no floor of 2 blocks that would overrun the budget: 100k-token blocks need 8.6 GiB)
     with pytest.raises(ValueError, match="fewer than 2 blocks"):
         ModelRunner(EngineConfig(device="cpu", **overrides), loaded)
+
+
+def test_the_compiled_grammar_cache_is_bounded(loaded):
+    """Every tool-calling request may bring its own schema: the compiled-grammar cache keeps
+    within its byte limit instead of growing for the life of the process."""
+    import json
+
+    from scheduler.grammar import GrammarBackend
+
+    limit = 256 * 1024
+    backend = GrammarBackend(loaded.path, loaded.config.vocab_size, list(loaded.config.eos_token_ids),
+                             cache_limit_bytes=limit)
+    for i in range(16):  # ~100 KB each here: unbounded, 1.6 MB
+        schema = {"type": "object", "properties": {f"field_{i}_{j}": {"type": "integer"} for j in range(8)}}
+        backend.compile("json_schema", json.dumps(schema))
+    assert 0 < backend.compiler.get_cache_size_bytes() < 1.2 * limit  # (xgrammar's own overhead on top)

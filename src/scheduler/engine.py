@@ -33,9 +33,9 @@ class EngineStats:
 
 THROUGHPUT_WINDOW_S = 5.0
 GRAMMAR_WAIT_S = 0.005  # an engine with nothing but compiling grammars waits this long per step
-# Overrunning compiles cannot be stopped and keep a core busy: past this many still
-# running, structured-output requests are refused until some end.
-MAX_OVERRUNNING_COMPILES = 2
+# Abandoned compiles (past the time limit, or of cancelled requests) cannot be stopped and
+# keep a core busy: past this many still running, structured output is refused until some end.
+MAX_ABANDONED_COMPILES = 2
 
 
 def _needs_host_tokens(req: Request) -> bool:
@@ -108,7 +108,7 @@ class Engine:
         # also builds the vocabulary's tables), so it runs beside the step loop, not in it.
         self.compiling: dict[str, _GrammarCompile] = {}
         self._grammar_threads: ThreadPoolExecutor | None = None
-        self.overrunning_compiles: set[Future] = set()  # abandoned and still running (each removes itself)
+        self.abandoned_compiles: set[Future] = set()  # abandoned and still running (each removes itself)
         logger.info("overlap schedule: %s", "on" if self.overlap else "off")
         self.load = LoadSnapshot(max_total_num_tokens=self.kv.capacity_tokens)
 
@@ -126,9 +126,10 @@ class Engine:
                 raise AdmissionError("FAILED_PRECONDITION", f"stop strings need the tokenizer: {e}") from e
             checker = StopStringChecker(tokenizer, msg.sampling.stop, msg.input_ids, trim=not msg.sampling.no_stop_trim)
         sp = msg.sampling
-        if sp.constraint_kind and len(self.overrunning_compiles) >= MAX_OVERRUNNING_COMPILES:
-            raise AdmissionError("RESOURCE_EXHAUSTED", f"{len(self.overrunning_compiles)} grammar compiles overran "
-                                 "--grammar-compile-timeout and still run; structured output is refused until they end")
+        if sp.constraint_kind and len(self.abandoned_compiles) >= MAX_ABANDONED_COMPILES:
+            raise AdmissionError("RESOURCE_EXHAUSTED", f"{len(self.abandoned_compiles)} abandoned grammar compiles "
+                                 "(past --grammar-compile-timeout, or of cancelled requests) still run; structured "
+                                 "output is refused until they end")
         req = self.scheduler.add_request(msg, hold=bool(sp.constraint_kind))
         req.stop_checker = checker
         if sp.constraint_kind:
@@ -168,28 +169,35 @@ class Engine:
                 del self.compiling[rid]
                 self.scheduler.reject(job.request, "INVALID_ARGUMENT", f"the {job.kind} constraint did not "
                                       f"compile within {limit:g} s (--grammar-compile-timeout); simplify it")
-                self.overrunning_compiles.add(job.future)
-                job.future.add_done_callback(self.overrunning_compiles.discard)  # (on its thread: set ops are atomic)
+                self._disown(job.future)
                 timed_out = True
         if timed_out:
-            self._abandon_grammar_threads()
+            self._abandon_grammar_threads("a grammar compile overran its time limit")
 
-    def _abandon_grammar_threads(self) -> None:
-        """Compiles cannot be interrupted: leave the overrunning ones to finish unheeded on
+    def _disown(self, future: Future) -> None:
+        """A compile nobody waits for any more, still running: counted until it ends."""
+        self.abandoned_compiles.add(future)
+        future.add_done_callback(self.abandoned_compiles.discard)  # (on its thread: set ops are atomic)
+
+    def _abandon_grammar_threads(self, why: str) -> None:
+        """Compiles cannot be interrupted: leave the disowned ones to finish unheeded on
         the old threads, and restart the compiles queued behind them on new ones, so one
         pathological grammar delays the others by at most the timeout."""
         old, self._grammar_threads = self._grammar_threads, None
         if old is not None:
             old.shutdown(wait=False)
-        logger.warning("a grammar compile overran its time limit; its thread is left to finish unheeded")
+        logger.warning("%s; its thread is left to finish unheeded", why)
         for job in self.compiling.values():
             if job.future.cancel():  # not started yet
                 job.future, job.started = self._submit_compile(job.kind, job.spec), None
 
     def abort(self, request_id: str) -> bool:
         job = self.compiling.pop(request_id, None)
-        if job is not None:
-            job.future.cancel()  # a compile already under way finishes unheeded
+        if job is not None and not job.future.cancel():
+            # Already compiling: it would keep a grammar thread as long as it runs, outside
+            # the time limit (that counts for held requests only) and the overrun cap.
+            self._disown(job.future)
+            self._abandon_grammar_threads("a cancelled request's grammar was still compiling")
         return self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
@@ -293,7 +301,11 @@ class Engine:
         s, sched = self.stats, self.scheduler
         window = s.recent_tokens
         horizon = time.monotonic() - THROUGHPUT_WINDOW_S
-        while window and window[0][0] < horizon:  # (so an idle engine's throughput falls to 0)
+        # Drop what is older than the window, but keep the newest such entry as the span's
+        # start: steps longer than half the window would otherwise leave no span, and no rate.
+        while len(window) > 1 and window[1][0] < horizon:
+            s.recent_tokens_sum -= window.popleft()[1]
+        if len(window) == 1 and window[0][0] < horizon:  # idle: the rate falls to 0
             s.recent_tokens_sum -= window.popleft()[1]
         span = (window[-1][0] - window[0][0]) if len(window) > 1 else 0.0
         self.load = LoadSnapshot(
@@ -301,7 +313,7 @@ class Engine:
             step=s.steps,
             num_running=len(sched.running),
             num_waiting=sched.num_waiting,
-            num_waiting_uncached_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
+            num_waiting_uncached_tokens=sched.num_waiting_uncached_tokens(),
             num_used_tokens=self.pool.num_used_blocks * self.pool.block_size,
             max_total_num_tokens=self.kv.capacity_tokens,
             # the first entry's tokens came before the span starts

@@ -34,13 +34,19 @@ def _clean(e: Exception) -> str:
     return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text).split("\n")[0].strip() or type(e).__name__
 
 
+# Compiled grammars are cached (a repeated schema compiles in microseconds), but every
+# tool-calling request may bring its own: unbounded, the cache grew ~140 KB per schema.
+GRAMMAR_CACHE_BYTES = 512 * 2**20  # (as vLLM's default)
+
+
 class GrammarBackend:
     """The compiler for one model (tokenizer vocabulary), built lazily."""
 
     _instances: dict[tuple, "GrammarBackend"] = {}
     _lock = threading.Lock()
 
-    def __init__(self, model_path: str, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, model_path: str, vocab_size: int, stop_token_ids: list[int],
+                 cache_limit_bytes: int = GRAMMAR_CACHE_BYTES):
         import xgrammar as xgr
 
         from .stop_strings import load_tokenizer
@@ -49,7 +55,8 @@ class GrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(
             load_tokenizer(model_path), vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
         )
-        self.compiler = xgr.GrammarCompiler(info, max_threads=min(os.cpu_count() or 1, 8))
+        self.compiler = xgr.GrammarCompiler(info, max_threads=min(os.cpu_count() or 1, 8),
+                                            cache_limit_bytes=cache_limit_bytes)
 
     @classmethod
     def get(cls, model_path: str, vocab_size: int, stop_token_ids) -> "GrammarBackend":

@@ -12,10 +12,9 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, watermark_blocks: int = 0):
+    def __init__(self, pool: BlockPool):
         self.pool = pool
         self.block_size = pool.block_size
-        self.watermark_blocks = watermark_blocks  # kept free at admission to avoid thrashing
 
     @property
     def capacity_tokens(self) -> int:
@@ -42,7 +41,7 @@ class KVCacheManager:
     def can_admit(self, req: Request, cached: list[int], num_new_tokens: int) -> bool:
         needed = cdiv(len(cached) * self.block_size + num_new_tokens, self.block_size) - len(cached)
         reusable = sum(1 for b in cached if self.pool.blocks[b].ref_cnt == 0)
-        return needed + reusable + self.watermark_blocks <= self.pool.num_free_blocks
+        return needed + reusable <= self.pool.num_free_blocks
 
     def admit(self, req: Request, cached: list[int]) -> None:
         """Give a waiting request its prefix-hit blocks."""

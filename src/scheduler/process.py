@@ -242,6 +242,15 @@ class SchedulerLoop:
             return ControlReply(msg.call_id, False, message=f"{type(e).__name__}: {e}")
 
 
+def _preload_tokenizer(model_path: str) -> None:
+    from .stop_strings import load_tokenizer
+
+    try:
+        load_tokenizer(model_path)
+    except Exception as e:  # noqa: BLE001  (a stop request will be refused with the reason)
+        logger.warning("no tokenizer for stop strings: %s", e)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="scheduler process (started by the servicer)")
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
@@ -282,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         ctx.term()
         return 1
     logger.info("scheduler ready (pid %d)", os.getpid())
+    # Stop strings need the tokenizer on the step loop: load it now, beside it (seconds,
+    # mostly importing transformers), rather than stall every request on the first stop.
+    threading.Thread(target=_preload_tokenizer, args=(engine.runner.model_path,), name="tokenizer", daemon=True).start()
     try:
         loop = SchedulerLoop(engine, inbox, outbox)
         HeartbeatThread(engine, ctx, args.outbox, loop).start()
@@ -295,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("stopping before the profile trace %s was written", writing.path)
         writing.discard()
     logger.info("scheduler stopped")
-    if engine.overrunning_compiles:  # Python would join their threads at exit, for as long as they run
+    if engine.abandoned_compiles:  # Python would join their threads at exit, for as long as they run
         outbox.close(linger=1000)
         logging.shutdown()
         os._exit(0)

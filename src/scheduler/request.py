@@ -76,6 +76,7 @@ class Request:
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
+        self.num_queued_cached_tokens = 0  # the prefix hit it had when last queued (a load estimate)
         self.block_ids: list[int] = []
         self.block_digests: list[bytes] = []  # chained hashes of the full blocks so far
         self.num_committed_blocks = 0  # leading blocks already indexed in the prefix cache

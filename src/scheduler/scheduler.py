@@ -26,7 +26,7 @@ class AdmissionError(Exception):
 
 @dataclass
 class ScheduledBatch:
-    requests: list[Request] = field(default_factory=list)  # decodes (1 token) first
+    requests: list[Request] = field(default_factory=list)  # 1-token chunks (decodes) first
     num_new_tokens: list[int] = field(default_factory=list)
     # per request: does this step reach the end of its known and pending tokens (and so sample)?
     samples: list[bool] = field(default_factory=list)
@@ -112,13 +112,13 @@ class Scheduler:
         if hold:
             self.held[req.request_id] = req
         else:
-            self.waiting.append(req)
+            self._enqueue(req)
         return req
 
     def release(self, req: Request) -> None:
         """A held request becomes schedulable."""
         del self.held[req.request_id]
-        self.waiting.append(req)
+        self._enqueue(req)
 
     def reject(self, req: Request, code: str, message: str) -> None:
         """A held request cannot run after all: it finishes with an error."""
@@ -158,6 +158,12 @@ class Scheduler:
     def num_waiting(self) -> int:
         """Requests not running yet: queued, or held while their grammar compiles."""
         return len(self.waiting) + len(self.held)
+
+    def num_waiting_uncached_tokens(self) -> int:
+        """Prefill work queued: the waiting requests' tokens past the prefix hit they had
+        when queued (the router's least-load policy weighs workers by it)."""
+        queued = sum(r.num_tokens - r.num_queued_cached_tokens for r in self.waiting)
+        return queued + sum(r.num_tokens for r in self.held.values())
 
     # -- one step --------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -214,7 +220,8 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
 
-        # Single-token steps (decodes) first: the attention path batches them together.
+        # Single-token chunks (decodes, and prefills cut to one token) first: the attention
+        # path batches them together as decodes.
         scheduled.sort(key=lambda item: item[1] != 1)
         return ScheduledBatch(
             [r for r, _ in scheduled],
@@ -270,12 +277,19 @@ class Scheduler:
 
     # -- internals -------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req)
+        self.kv.free(req)  # (its full blocks stay cached: it will likely find them again)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
+
+    def _enqueue(self, req: Request, front: bool = False) -> None:
+        req.num_queued_cached_tokens = len(self.kv.find_cached_prefix(req)) * self.kv.block_size
+        if front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     def _retire(self, req: Request) -> None:
         self.kv.free(req)
