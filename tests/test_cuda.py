@@ -182,6 +182,16 @@ def test_launch_never_waits_for_the_gpu(models):
     out = eng.generate(prompts(), [GREEDY, temp] * 3)
     assert {"decode", "mixed"} <= set(kinds)
     assert all(len(c.output_ids) in (12, 24) for c in out)
+    # Filtered, seeded, biased and min_new_tokens rows need no host tokens either: the
+    # rejection kernel runs every round on the device.
+    kinds.clear()
+    filtered = [
+        SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, ignore_eos=True),
+        SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20, min_p=0.05, seed=7, ignore_eos=True),
+        SamplingParams(max_new_tokens=12, temperature=0.8, logit_bias={5: 3.0}, min_new_tokens=4),
+    ]
+    out = eng.generate(prompts(), filtered * 2)
+    assert {"decode", "mixed"} <= set(kinds) and all(c.output_ids for c in out)
 
 
 def test_small_batch_gemv_matches_hf(models):

@@ -182,3 +182,36 @@ def test_gumbel_sampling_greedy_rows_and_distribution():
     freq = torch.bincount(draws, minlength=4).float() / 4000
     expected = torch.softmax(small[0] / 0.8, dim=0)
     assert (freq - expected).abs().max() < 0.03, (freq, expected)
+
+
+def test_filtered_rows_sample_on_the_device_through_the_rejection_kernel():
+    """GPUs sample top-k / top-p / min-p / seeded rows with the Triton rejection kernel
+    (uniforms drawn up front, no host sync): greedy rows stay exact, draws stay in their
+    kept sets, and a seeded row draws the same token whatever shares its batch."""
+    from kernels.sampling import SamplingTensors, sample
+
+    vocab = 300
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(0)) * 3
+
+    # rows: greedy, top_k 1, top_p 0.5, top_k 3, min_p 0.3, seeded with top_p 0.9
+    temperature, top_p = [0.0, 0.8, 0.8, 0.8, 0.8, 0.8], [1.0, 1.0, 0.5, 1.0, 1.0, 0.9]
+    top_k, min_p = [0, 1, 0, 3, 0, 0], [0.0, 0.0, 0.0, 0.0, 0.3, 0.0]
+
+    def run(rows: list[int]):
+        seeded = [(j, torch.Generator().manual_seed(11)) for j, r in enumerate(rows) if r == 5]
+        p = SamplingTensors.build(
+            [temperature[r] for r in rows], [top_p[r] for r in rows], [top_k[r] for r in rows], "cpu",
+            min_p=[min_p[r] for r in rows], seeded=seeded, vocab=vocab,
+            kernel_generator=torch.Generator().manual_seed(len(rows)))
+        assert p.uniforms is not None
+        return sample(logits[rows].clone(), p).tolist()
+
+    tokens = run(list(range(6)))
+    assert tokens[0] == logits[0].argmax() and tokens[1] == logits[1].argmax()  # greedy, top_k 1
+    assert tokens[3] in logits[3].topk(3).indices.tolist()
+    probs = torch.softmax(logits[4] / 0.8, dim=0)
+    assert probs[tokens[4]] >= 0.3 * probs.max()  # min_p
+    sorted_p, order = torch.sort(torch.softmax(logits[2] / 0.8, dim=0), descending=True)
+    above = sorted_p[: order.tolist().index(tokens[2])].sum()
+    assert above < 0.5  # top_p: less than half the mass is more likely than the draw
+    assert run([5])[0] == tokens[5] == run([3, 5, 0])[1]  # the seeded row, alone or in company

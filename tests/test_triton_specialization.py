@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 libtriton = pytest.importorskip("triton._C.libtriton")
 from triton.backends.compiler import BaseBackend  # noqa: E402
 
-from kernels import triton_attention, triton_gemv, triton_ops, triton_sampling  # noqa: E402
+from kernels import triton_attention, triton_filtered_sampling, triton_gemv, triton_ops, triton_sampling  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.messages import SamplingParams  # noqa: E402
@@ -54,11 +54,12 @@ class LaunchRecorder:
     def __init__(self, monkeypatch):
         self.variants: list[tuple] = []
         attention, ops, gemv = triton_attention._kernels(), triton_ops._kernels(), triton_gemv._kernel()
-        sampler = triton_sampling._kernel()
+        sampler, filtered = triton_sampling._kernel(), triton_filtered_sampling._kernel()
         monkeypatch.setattr(triton_attention, "_kernels", lambda: tuple(map(self._wrap, attention)))
         monkeypatch.setattr(triton_ops, "_kernels", lambda: tuple(map(self._wrap, ops)))
         monkeypatch.setattr(triton_gemv, "_kernel", lambda: self._wrap(gemv))
         monkeypatch.setattr(triton_sampling, "_kernel", lambda: self._wrap(sampler, run=True))
+        monkeypatch.setattr(triton_filtered_sampling, "_kernel", lambda: self._wrap(filtered, run=True))
 
     def _wrap(self, kernel, run: bool = False):
         recorder = self
@@ -99,6 +100,7 @@ def test_engine_steps_launch_only_warmed_up_kernel_variants(monkeypatch, small_b
     runner = ModelRunner(config, tiny_model("qwen3"))
     runner.num_sms = H100_SMS
     runner.sampler.fused_sampling = True  # the GPU's fused Gumbel sampler for temperature-only rows
+    runner.sampler.filter_kernel = True  # ... and its rejection kernel for top-k/p, min-p and seeds
     recorder = LaunchRecorder(monkeypatch)
     runner.compile_kernels()
     warmed = recorder.take()
@@ -121,6 +123,11 @@ def test_engine_steps_launch_only_warmed_up_kernel_variants(monkeypatch, small_b
     for temperature, phase in zip((0.7, 0.0), phases):  # sampled rows (fused sampler) in phase 1: it is slow here
         params = [SamplingParams(max_new_tokens=m, temperature=temperature * (i % 2), ignore_eos=True)
                   for i, (_, m) in enumerate(phase)]
+        for i, p in enumerate(params):  # a few filtered and seeded rows (the filter kernel)
+            if temperature and i % 8 == 1:
+                p.top_p, p.top_k = 0.8, 10
+            elif temperature and i % 8 == 3:
+                p.min_p, p.seed = 0.1, i
         done = engine.generate([p for p, _ in phase], params)
         assert [len(c.output_ids) for c in done] == [p.max_new_tokens for p in params]
     stepped = recorder.take()
@@ -132,7 +139,7 @@ def test_engine_steps_launch_only_warmed_up_kernel_variants(monkeypatch, small_b
     assert not unstable, f"per-step values change these kernels' specialisation: {unstable}"
     names = {name for name, _, _ in stepped}
     assert {"_unified_attention_kernel", "_combine_splits_kernel", "_qkv_rope_store_kernel",
-            "_gumbel_argmax_kernel"} <= names
+            "_gumbel_argmax_kernel", "_filtered_sample_kernel"} <= names
     splits = {dict(c)["NUM_SPLITS"] for n, c, _ in stepped if n == "_unified_attention_kernel"}
     assert {1, 2, 4, 8, 16} <= splits  # prefill/mixed steps and every decode split factor ran
     assert ("_small_batch_linear_kernel" in names) == small_batch_gemv

@@ -34,12 +34,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
 _xgrammar_kernel_ok = True  # cleared after the first failure of xgrammar's bitmask kernel
 
 MAX_REJECTION_ROUNDS = 32  # then a still-rejected row takes its most likely token (always kept)
+KERNEL_ROUNDS = 32  # uniforms per row drawn up front for the Triton kernel (same fallback)
 NARROW_TOP_K_MAX = 1024  # a larger top_k is left to the redraws (topk's cost grows with k)
 MIN_TEMPERATURE = 1e-5  # temperatures below this sample like greedy (dividing by them overflows)
 # A penalised logit stays below this: a tiny repetition penalty (r -> 0 divides positive
@@ -128,6 +130,9 @@ class SamplingTensors:
     greedy_rows: torch.Tensor | None = None  # the other rows, when random_rows is set
     num_rows: int = 0
     fused_temperature: torch.Tensor | None = None  # [N] (0: greedy) when a temperature is all rows need
+    # [R, rounds] uniforms of the sampling rows: draw with the Triton rejection kernel
+    # (kernels.triton_filtered_sampling), which needs no host sync between rounds
+    uniforms: torch.Tensor | None = None
 
     @property
     def plain_greedy(self) -> bool:
@@ -159,35 +164,65 @@ class SamplingTensors:
         min_p: list[float] | None = None,
         seeded: list[tuple[int, torch.Generator]] = (),
         vocab: int = 2**31 - 1,
+        upload=None,
+        kernel_generator: torch.Generator | None = None,
         **extra,
     ) -> "SamplingTensors":
         """Per-row parameters as lists (temperature <= 0 or top_k 1: greedy; top_k <= 0:
-        off); ``seeded``: (batch row, CPU generator); ``extra``: penalties / bias / banned /
-        allowed_bitmask."""
+        off); ``seeded``: (batch row, CPU generator); ``upload``: host numpy array -> device
+        tensor (``scheduler.transfer.HostToDevice``: never waits for the GPU);
+        ``kernel_generator``: the device generator, to sample with the Triton rejection
+        kernel (GPUs); ``extra``: penalties / bias / banned / allowed_bitmask."""
+        upload = upload or (lambda a: torch.from_numpy(a).to(device))
         n = len(temperature)
         rows = [i for i in range(n) if temperature[i] >= MIN_TEMPERATURE and top_k[i] != 1]
         position = {r: j for j, r in enumerate(rows)}
+        r = len(rows)
         ks = [top_k[i] if 0 < top_k[i] < vocab else vocab for i in rows]
         ps = [top_p[i] for i in rows]
         any_min_p = min_p is not None and any(min_p[i] > 0.0 for i in rows)
+        # Two uploads for everything: the float parameters, then the ints, each field at a
+        # multiple of 4 elements (16-byte aligned, as Triton specialises pointers on it).
+        seg = -(-r // 4) * 4
+
+        def packed(fields: list[list], dtype) -> torch.Tensor:
+            flat = np.zeros(seg * (len(fields) - 1) + len(fields[-1]), dtype=dtype)
+            for f, values in enumerate(fields):
+                flat[f * seg : f * seg + len(values)] = values
+            return upload(flat)
+
+        floats = packed([[temperature[i] for i in rows], ps] + ([[min_p[i] for i in rows]] if any_min_p else []),
+                        np.float32)
+        greedy = sorted(set(range(n)) - set(rows)) if r < n else []
+        ints = packed([ks] + ([rows, greedy] if r < n else []), np.int64)
         return SamplingTensors(
-            temperature=torch.tensor([temperature[i] for i in rows], dtype=torch.float32, device=device),
-            top_p=torch.tensor(ps, dtype=torch.float32, device=device),
-            top_k=torch.tensor(ks, dtype=torch.int64, device=device),
-            min_p=torch.tensor([min_p[i] for i in rows], dtype=torch.float32, device=device) if any_min_p else None,
+            temperature=floats[:r],
+            top_p=floats[seg : seg + r],
+            top_k=ints[:r],
+            min_p=floats[2 * seg : 2 * seg + r] if any_min_p else None,
             all_greedy=not rows,
             any_top_k=any(k < vocab for k in ks),
             any_top_p=any(p < 1.0 for p in ps),
-            random_rows=torch.tensor(rows, dtype=torch.int64, device=device) if len(rows) < n else None,
-            greedy_rows=(
-                torch.tensor(sorted(set(range(n)) - set(rows)), dtype=torch.int64, device=device)
-                if len(rows) < n
-                else None
-            ),
-            seeded=[(position[r], g) for r, g in seeded if r in position],
-            num_rows=len(rows),
+            random_rows=ints[seg : seg + r] if r < n else None,
+            greedy_rows=ints[2 * seg :] if r < n else None,
+            seeded=[(position[i], g) for i, g in seeded if i in position],
+            num_rows=r,
+            uniforms=_kernel_uniforms(r, kernel_generator, seeded, position, upload) if kernel_generator and r else None,
             **extra,
         )
+
+
+def _kernel_uniforms(n: int, generator: torch.Generator, seeded, position: dict, upload) -> torch.Tensor:
+    """[n, KERNEL_ROUNDS] uniforms on the generator's device; a seeded row's come from its own
+    generator (a fixed KERNEL_ROUNDS per step, whatever its rounds need), in one upload."""
+    u = torch.rand(n, KERNEL_ROUNDS, device=generator.device, generator=generator)
+    picks = [(position[i], g) for i, g in seeded if i in position]
+    if picks:
+        # (row, its uniforms) in one float32 array: row indices < 2**24 are exact
+        host = np.stack([np.concatenate([[j], torch.rand(KERNEL_ROUNDS, generator=g).numpy()]) for j, g in picks])
+        packed = upload(host.astype(np.float32))
+        u.index_copy_(0, packed[:, 0].long(), packed[:, 1:])
+    return u
 
 
 # -- logit transforms (in place on float32 [N, V]) -------------------------------------------
@@ -339,7 +374,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors, generator: torch.Gener
         logits.index_put_((rows, cols), vals, accumulate=True)
     if params.banned is not None:
         rows, cols = params.banned
-        logits.index_put_((rows, cols), torch.tensor(float("-inf"), device=logits.device))
+        logits.index_put_((rows, cols), logits.new_full((), float("-inf")))  # (no host copy)
     if params.allowed_bitmask is not None:
         apply_bitmask(logits, params.allowed_bitmask, params.bitmask_rows or None)
     if params.all_greedy:
@@ -349,14 +384,20 @@ def sample(logits: torch.Tensor, params: SamplingTensors, generator: torch.Gener
     sub = logits.index_select(0, rows_idx) if rows_idx is not None else logits
     # weights relative to the row's most likely token (which therefore weighs 1)
     weights = sub.sub_(sub.amax(dim=-1, keepdim=True)).div_(params.temperature.unsqueeze(1)).exp_()
-    sampled = sample_filtered(
-        weights,
-        params.top_k if params.any_top_k else None,
-        params.top_p if params.any_top_p else None,
-        params.min_p,
-        generator,
-        params.seeded,
-    )
+    if params.uniforms is not None:  # every round on the device: no host sync
+        from .triton_filtered_sampling import filtered_sample
+
+        min_w = params.min_p if params.min_p is not None else torch.zeros_like(params.top_p)
+        sampled = filtered_sample(weights, params.top_k, params.top_p, min_w, params.uniforms)
+    else:
+        sampled = sample_filtered(
+            weights,
+            params.top_k if params.any_top_k else None,
+            params.top_p if params.any_top_p else None,
+            params.min_p,
+            generator,
+            params.seeded,
+        )
     if rows_idx is None:
         return sampled
     tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)

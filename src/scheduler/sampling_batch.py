@@ -68,16 +68,23 @@ class BatchSampler:
         self.upload = upload or HostToDevice(device)  # host arrays -> device, never waiting for the GPU
         self.generator = generator
         self.vocab_size = vocab_size
-        # Temperature-only batches on GPUs: one fused Gumbel-max pass (kernels.triton_sampling).
+        # Temperature-only batches on GPUs: one fused Gumbel-max pass (kernels.triton_sampling);
+        # the others (top-k/p, min-p, seeds) by rejection in one Triton launch that never
+        # makes the host wait (kernels.triton_filtered_sampling), so they keep the overlap.
         self.fused_sampling = device.type == "cuda" and triton_available()
+        self.filter_kernel = self.fused_sampling
         self.seeds = torch.Generator().manual_seed(generator.initial_seed())  # per-step kernel seeds, on the host
 
     def compile_kernels(self, hidden: torch.Tensor) -> None:
-        """Compile the fused sampling kernel on one row of hidden states before a request waits for it."""
+        """Compile the sampling kernels on one row of hidden states before a request waits for them."""
         if self.fused_sampling:
             from kernels.triton_sampling import gumbel_sample
 
             gumbel_sample(self.model.compute_logits(hidden[:1]), torch.ones(1, device=self.device), 0)
+        if self.filter_kernel:
+            params = SamplingTensors.build([1.0], [0.9], [20], self.device, min_p=[0.1], vocab=self.vocab_size,
+                                           upload=self.upload, kernel_generator=self.generator)
+            sample(self.model.compute_logits(hidden[:1]).float(), params)
 
     # -- entry point -------------------------------------------------------------------
     def run(
@@ -179,16 +186,15 @@ class BatchSampler:
         if pen_rows:
             extra["penalties"] = Penalties.build(pen_rows, rep, freq, pres, out_tokens, prompt_tokens, vocab, dev)
         if bias_rows:
-            extra["bias"] = (
-                torch.tensor(bias_rows, dtype=torch.int64, device=dev),
-                torch.tensor(bias_cols, dtype=torch.int64, device=dev),
-                torch.tensor(bias_vals, dtype=torch.float32, device=dev),
-            )
+            index = self.upload(np.array([bias_rows, bias_cols], dtype=np.int64))
+            extra["bias"] = (index[0], index[1], self.upload(np.array(bias_vals, dtype=np.float32)))
         if ban_rows:
             banned = [(i, tok) for i in ban_rows for tok in reqs[i].stop_ids]  # (row, token) pairs
-            extra["banned"] = tuple(torch.tensor(col, dtype=torch.int64, device=dev) for col in zip(*banned))
+            index = self.upload(np.array(banned, dtype=np.int64).T)
+            extra["banned"] = (index[0], index[1])
         return SamplingTensors.build(
-            temperature, top_p, top_k, dev, min_p=min_p if any_min_p else None, seeded=seeded, vocab=vocab, **extra
+            temperature, top_p, top_k, dev, min_p=min_p if any_min_p else None, seeded=seeded, vocab=vocab,
+            upload=self.upload, kernel_generator=self.generator if self.filter_kernel else None, **extra,
         )
 
     # -- logprobs ----------------------------------------------------------------------
