@@ -93,7 +93,7 @@ def test_a_taken_port_is_a_clear_error_and_leaves_nothing_behind(tmp_path):
 def test_a_write_to_a_departed_client_is_not_logged_as_an_error():
     import logging
 
-    from servicer.cli import ClientGoneFilter
+    from servicer.log_filters import ClientGoneFilter
 
     def record(msg):
         try:

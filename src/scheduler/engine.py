@@ -15,6 +15,7 @@ from .kv_manager import KVCacheManager
 from .messages import AddRequest, LoadSnapshot, RequestOutput, SamplingParams, StepOutput
 from .model_runner import LaunchedStep, ModelRunner
 from .request import Request
+from .sampling_batch import BatchSampler
 from .scheduler import AdmissionError, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -36,16 +37,6 @@ GRAMMAR_WAIT_S = 0.005  # an engine with nothing but compiling grammars waits th
 # Abandoned compiles (past the time limit, or of cancelled requests) cannot be stopped and
 # keep a core busy: past this many still running, structured output is refused until some end.
 MAX_ABANDONED_COMPILES = 2
-
-
-def _needs_host_tokens(req: Request) -> bool:
-    """Does building this request's next step read its previous tokens on the host?"""
-    return (
-        req.grammar is not None  # the next bitmask follows the accepted token
-        or req.sampling.has_penalties  # penalties count the output tokens
-        or req.output_logprobs is not None  # recorded in step with the tokens
-        or req.needs_input_logprobs
-    )
 
 
 def _compile_grammar(model_path: str, vocab_size: int, eos_ids: list[int], kind: str, spec: str):
@@ -217,7 +208,7 @@ class Engine:
             return StepOutput(outputs=self.finished_outputs(), step=self.stats.steps, batch_size=0, num_tokens=0,
                               load=self.load)
         prev, self.inflight = self.inflight, None
-        overlap = self.overlap and not any(_needs_host_tokens(r) for r in batch.requests)
+        overlap = self.overlap and not any(BatchSampler.needs_host_tokens(r) for r in batch.requests)
         outputs: list[RequestOutput] = []
         if prev is not None and not overlap:
             outputs += self._complete(prev)

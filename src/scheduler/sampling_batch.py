@@ -86,6 +86,18 @@ class BatchSampler:
                                            upload=self.upload, kernel_generator=self.generator)
             sample(self.model.compute_logits(hidden[:1]).float(), params)
 
+    @staticmethod
+    def needs_host_tokens(req: Request) -> bool:
+        """Does sampling this request's next token read its previous tokens on the host?
+        (Then the engine takes a step's tokens before launching the next: no overlap.)
+        Everything else this sampler does stays on the device, without waiting for it."""
+        return (
+            req.grammar is not None  # the next bitmask follows the accepted token
+            or req.sampling.has_penalties  # penalties count the output tokens
+            or req.output_logprobs is not None  # recorded in step with the tokens
+            or req.needs_input_logprobs
+        )
+
     # -- entry point -------------------------------------------------------------------
     def run(
         self,
@@ -208,22 +220,29 @@ class BatchSampler:
         padded = [list(x) + [0] * (width - len(x)) for x in lists]
         return torch.tensor(padded, dtype=torch.int64, device=device), [len(x) for x in lists]
 
-    def _record_output_logprobs(self, reqs: list[Request], logprobs: torch.Tensor, tokens: torch.Tensor) -> None:
+    @staticmethod
+    def _logprob_rows(reqs: list[Request], logprobs: torch.Tensor, targets: torch.Tensor, ids=None, widths=()):
+        """Per row of log-softmaxed ``logprobs``: (the target's logprob, its request's top
+        values and ids, its token_ids_logprob values), read back to the host at once."""
         top_n = max(r.sampling.top_logprobs_num for r in reqs)
-        ids, widths = self._ids_index(reqs, self.device)
-        chosen, top_v, top_i, ids_v = token_logprobs(logprobs, tokens, top_n, ids)
+        chosen, top_v, top_i, ids_v = token_logprobs(logprobs, targets, top_n, ids)
         chosen = chosen.tolist()
         top_v = top_v.tolist() if top_v is not None else None
         top_i = top_i.tolist() if top_i is not None else None
         ids_v = ids_v.tolist() if ids_v is not None else None
         for j, req in enumerate(reqs):
             k = req.sampling.top_logprobs_num
-            req.output_logprobs.append(
+            yield (
                 chosen[j],
                 top_v[j][:k] if k else [],
                 top_i[j][:k] if k else [],
                 ids_v[j][: widths[j]] if ids_v is not None and widths[j] else [],
             )
+
+    def _record_output_logprobs(self, reqs: list[Request], logprobs: torch.Tensor, tokens: torch.Tensor) -> None:
+        ids, widths = self._ids_index(reqs, self.device)
+        for req, row in zip(reqs, self._logprob_rows(reqs, logprobs, tokens, ids, widths)):
+            req.output_logprobs.append(*row)
 
     def _input_logprobs(self, requests: list[Request], num_new_tokens: list[int], hidden: torch.Tensor) -> None:
         """Prompt logprobs for the prompt rows computed this step (requests that asked)."""
@@ -248,13 +267,6 @@ class BatchSampler:
             reqs = owners[part]
             idx = torch.tensor(rows[part], device=self.device)
             logprobs = self.model.compute_logits(hidden[idx]).float().log_softmax(dim=-1)
-            top_n = max(r.sampling.top_logprobs_num for r in reqs)
-            chosen, top_v, top_i, _ = token_logprobs(
-                logprobs, torch.tensor(targets[part], device=self.device), top_n, None
-            )
-            chosen = chosen.tolist()
-            top_v = top_v.tolist() if top_v is not None else None
-            top_i = top_i.tolist() if top_i is not None else None
-            for j, req in enumerate(reqs):
-                k = req.sampling.top_logprobs_num
-                req.input_logprobs.append(chosen[j], top_v[j][:k] if k else [], top_i[j][:k] if k else [], [])
+            target_ids = torch.tensor(targets[part], device=self.device)
+            for req, row in zip(reqs, self._logprob_rows(reqs, logprobs, target_ids)):
+                req.input_logprobs.append(*row)

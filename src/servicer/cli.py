@@ -9,6 +9,7 @@ import sys
 
 from scheduler.config import EngineConfig, parse_memory_size
 
+from .log_filters import ClientGoneFilter
 from .server import ServerConfig, serve
 
 
@@ -143,19 +144,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
         watchdog_timeout_s=args.watchdog_timeout,
     )
     return engine, server
-
-
-class ClientGoneFilter(logging.Filter):
-    """grpc.aio logs a write to a stream whose client has gone (disconnected while flow
-    control held the write) as an ERROR with a traceback, yet nothing failed on our side:
-    the handler's cleanup has run and the request's KV is freed. One debug line instead."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.getMessage().startswith("ExecuteBatchError raised in core by servicer method"):
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-            record.exc_info = record.exc_text = None
-            return logging.getLogger("servicer").isEnabledFor(logging.DEBUG)
-        return True
 
 
 def main(argv: list[str] | None = None) -> int:
