@@ -158,3 +158,12 @@ def test_a_prompt_only_request_samples_nothing_and_warms_the_cache(loaded, overl
     assert again.num_cached_tokens >= len(prompt) // 16 * 16 - 16 and len(again.output_ids) == 20
     assert engine.stats.num_generated_tokens == 20
     assert_no_leak(engine)
+
+    # With logprobs: the prompt's, and no output row for the sample that is no output
+    from scheduler.messages import AddRequest
+
+    sp = SamplingParams(temperature=0.0, max_new_tokens=0, return_logprob=True, logprob_start_len=0)
+    req = engine.add_request(AddRequest("scored", prompt, sp))
+    while engine.has_work():
+        engine.step()
+    assert req.output_logprobs.values == [] and len(req.input_logprobs.values) == len(prompt)

@@ -320,8 +320,12 @@ def test_batch_sampler_records_output_and_input_logprobs():
                    token_ids_logprob=[1, 2], logprob_start_len=0)
     other = make_req([9, 9, 9], rid="o", temperature=0.8, top_p=0.9, repetition_penalty=1.2)
     hidden = logits_of(7, seed=9)  # rows 0..3: req's prompt, 4..6: other's prompt
-    tokens = s.run([req, other], [4, 3], hidden, [3, 6], [req, other]).tolist()
+    tokens, rows = s.run([req, other], [4, 3], hidden, [3, 6], [req, other])
+    tokens = tokens.tolist()
     assert len(tokens) == 2 and tokens[0] == int(hidden[3].argmax())
+    # output rows go to the scheduler, which records each with its token
+    assert rows[1] is None and not req.output_logprobs.values
+    req.output_logprobs.append(*rows[0])
     lp = hidden.log_softmax(-1)
     il = req.input_logprobs
     assert il.token_ids == prompt and il.values[0] is None

@@ -58,10 +58,12 @@ def warmup_batches(max_batch: int, num_kv_heads: int, num_sms: int) -> list[list
 class LaunchedStep:
     """A step whose sampled tokens may still be on their way from the device."""
 
-    def __init__(self, batch: ScheduledBatch, sampling: list, download: Download | None):
+    def __init__(self, batch: ScheduledBatch, sampling: list, download: Download | None,
+                 logprob_rows: list[tuple] | None = None):
         self.batch = batch
         self.sampling = sampling  # the requests that sample, in batch order
         self.download = download
+        self.logprob_rows = logprob_rows  # per sampling request: its token's logprob row, or None
         self._tokens: list[int] | None = None if download is not None else []
 
     @property
@@ -301,8 +303,8 @@ class ModelRunner:
                 meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
             hidden = self.model(ids, meta.positions, self.kv_caches, meta)
         # LM head on the sampling rows (and prompt-logprob rows), sampling, logprobs.
-        tokens = self.sampler.run(batch.requests, batch.num_new_tokens, hidden, sample_rows, sampling)
-        return LaunchedStep(batch, sampling, self.download(tokens) if sampling else None)
+        tokens, logprob_rows = self.sampler.run(batch.requests, batch.num_new_tokens, hidden, sample_rows, sampling)
+        return LaunchedStep(batch, sampling, self.download(tokens) if sampling else None, logprob_rows)
 
     def _patch(self, positions: list[int], rows: list[int], prev: LaunchedStep):
         """``ids[positions] = prev's sampled tokens[rows]``, on the device's stream."""

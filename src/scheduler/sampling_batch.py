@@ -12,7 +12,8 @@ The model runner calls :meth:`BatchSampler.run` after the forward pass. It
   sampled token back to the matcher);
 * samples every row in one vectorised pass (kernels.sampling), or takes the plain
   argmax when every row is greedy with nothing to apply;
-* records logprobs (of the raw logits, before any sampling transform) on the requests.
+* computes logprobs (of the raw logits, before any sampling transform): the prompt's on
+  the requests, the sampled tokens' for the scheduler to record with the tokens.
 """
 
 from __future__ import annotations
@@ -106,12 +107,14 @@ class BatchSampler:
         hidden: torch.Tensor,
         sample_rows: list[int],
         sampling: list[Request],
-    ) -> torch.Tensor | None:
+    ) -> tuple[torch.Tensor | None, list[tuple] | None]:
         """One token for each request in ``sampling`` (hidden row ``sample_rows[i]``), as a
-        device tensor; None when no row samples. Only logprobs read results back here."""
+        device tensor (None when no row samples), and the output-logprob row of each (None
+        for requests that want none; None in all when no request does), which the
+        scheduler records with the token. Only logprobs read results back here."""
         self._input_logprobs(requests, num_new_tokens, hidden)
         if not sample_rows:
-            return None
+            return None, None
         if len(sample_rows) == hidden.shape[0]:  # every row samples (decode-only steps): no gather
             rows = hidden
         else:
@@ -129,9 +132,14 @@ class BatchSampler:
             tokens = gumbel_sample(logits, params.fused_temperature, seed)
         else:
             tokens = sample(logits.float(), params, self.generator)
+        rows = None
         if lp_rows:
-            self._record_output_logprobs([sampling[i] for i in lp_rows], logprobs, tokens[lp_rows])
-        return tokens
+            rows = [None] * len(sampling)
+            wanting = [sampling[i] for i in lp_rows]
+            ids, widths = self._ids_index(wanting, self.device)
+            for i, row in zip(lp_rows, self._logprob_rows(wanting, logprobs, tokens[lp_rows], ids, widths)):
+                rows[i] = row
+        return tokens, rows
 
     # -- sampling tensors --------------------------------------------------------------
     def build(self, reqs: list[Request]) -> SamplingTensors:
@@ -238,11 +246,6 @@ class BatchSampler:
                 top_i[j][:k] if k else [],
                 ids_v[j][: widths[j]] if ids_v is not None and widths[j] else [],
             )
-
-    def _record_output_logprobs(self, reqs: list[Request], logprobs: torch.Tensor, tokens: torch.Tensor) -> None:
-        ids, widths = self._ids_index(reqs, self.device)
-        for req, row in zip(reqs, self._logprob_rows(reqs, logprobs, tokens, ids, widths)):
-            req.output_logprobs.append(*row)
 
     def _input_logprobs(self, requests: list[Request], num_new_tokens: list[int], hidden: torch.Tensor) -> None:
         """Prompt logprobs for the prompt rows computed this step (requests that asked)."""

@@ -242,20 +242,25 @@ class Scheduler:
                 sampling.append(req)
         return sampling
 
-    def complete(self, batch: ScheduledBatch, sampling: list[Request], sampled: list[int]) -> int:
+    def complete(self, batch: ScheduledBatch, sampling: list[Request], sampled: list[int],
+                 logprob_rows: list[tuple] | None = None) -> int:
         """When a launched step's tokens reach the host: append them (one per sampling
-        request, in order), index the newly full KV blocks and retire finished requests.
-        Requests that finished meanwhile (aborted, or stopped by the previous step's token
-        while this step was in flight) drop their token. Returns how many were appended."""
+        request, in order, with the logprob row of those that asked), index the newly full
+        KV blocks and retire finished requests. Requests that finished meanwhile (aborted,
+        or stopped by the previous step's token while this step was in flight) drop their
+        token. Returns how many were appended."""
         appended = 0
-        for req, token in zip(sampling, sampled):
+        for j, (req, token) in enumerate(zip(sampling, sampled)):
             req.num_pending -= 1
             if req.is_finished:
                 continue
             was_running = req.status is Status.RUNNING
             before = req.num_output_tokens
             req.append_token(token)
-            appended += req.num_output_tokens - before  # 0 for a prompt-only request
+            if req.num_output_tokens > before:  # (not for a prompt-only request)
+                appended += 1
+                if logprob_rows is not None and logprob_rows[j] is not None:
+                    req.output_logprobs.append(*logprob_rows[j])
             if req.is_finished:
                 self.kv.commit(req)  # its full blocks stay cached for later prompts
                 # a request preempted while this step ran sits in the queue
