@@ -313,6 +313,15 @@ class FakeModel:
         return hidden.clone()
 
 
+def sched_like_record(logprobs, sampling):
+    """What Scheduler.advance and complete do with a step's logprobs."""
+    for req, row in logprobs.prompt:
+        req.input_logprobs.append(*row)
+    for req, row in zip(sampling, logprobs.output or [None] * len(sampling)):
+        if row is not None:
+            req.output_logprobs.append(*row)
+
+
 def test_batch_sampler_records_output_and_input_logprobs():
     s = BatchSampler(FakeModel(), torch.device("cpu"), torch.Generator().manual_seed(0), V)
     prompt = [5, 6, 7, 8]
@@ -320,12 +329,13 @@ def test_batch_sampler_records_output_and_input_logprobs():
                    token_ids_logprob=[1, 2], logprob_start_len=0)
     other = make_req([9, 9, 9], rid="o", temperature=0.8, top_p=0.9, repetition_penalty=1.2)
     hidden = logits_of(7, seed=9)  # rows 0..3: req's prompt, 4..6: other's prompt
-    tokens, rows = s.run([req, other], [4, 3], hidden, [3, 6], [req, other])
+    tokens, logprobs = s.run([req, other], [4, 3], hidden, [3, 6], [req, other])
     tokens = tokens.tolist()
     assert len(tokens) == 2 and tokens[0] == int(hidden[3].argmax())
-    # output rows go to the scheduler, which records each with its token
-    assert rows[1] is None and not req.output_logprobs.values
-    req.output_logprobs.append(*rows[0])
+    # the rows go to the scheduler, which records them with the tokens
+    assert logprobs.output[1] is None and not req.output_logprobs.values and len(req.input_logprobs.values) == 1
+    sched_like_record(logprobs, [req, other])
+    req.input_logprob_next = 3  # (Scheduler.advance)
     lp = hidden.log_softmax(-1)
     il = req.input_logprobs
     assert il.token_ids == prompt and il.values[0] is None
@@ -346,10 +356,13 @@ def test_input_logprobs_across_chunks_and_start_len():
     req = make_req(prompt, rid="c", temperature=0.0, return_logprob=True, logprob_start_len=4)
     hidden = logits_of(10, seed=3)
     assert req.prefix_cache_limit == 3
-    s.run([req], [6], hidden[:6], [], [])  # chunk 1: positions 0..5
-    req.num_computed_tokens = 6
+    _, logprobs = s.run([req], [6], hidden[:6], [], [])  # chunk 1: positions 0..5
+    sched_like_record(logprobs, [])
+    req.input_logprob_next, req.num_computed_tokens = 6, 6  # (Scheduler.advance)
     assert req.prefix_cache_limit == 6
-    s.run([req], [4], hidden[6:], [3], [req])  # chunk 2: positions 6..9, samples
+    _, logprobs = s.run([req], [4], hidden[6:], [3], [req])  # chunk 2: positions 6..9, samples
+    sched_like_record(logprobs, [req])
+    req.input_logprob_next = 9
     lp = hidden.log_softmax(-1)
     il = req.input_logprobs
     assert il.token_ids == prompt[4:]

@@ -24,7 +24,7 @@ from .device import cpu_has_bf16, free_memory_bytes, resolve_device, resolve_dty
 from .model_config import ModelConfig
 from .model_source import resolve_model
 from .models import build_model
-from .sampling_batch import BatchSampler
+from .sampling_batch import BatchSampler, StepLogprobs
 from .scheduler import ScheduledBatch
 from .transfer import DeviceToHost, Download, HostToDevice
 from .weights import load_checkpoint
@@ -59,11 +59,11 @@ class LaunchedStep:
     """A step whose sampled tokens may still be on their way from the device."""
 
     def __init__(self, batch: ScheduledBatch, sampling: list, download: Download | None,
-                 logprob_rows: list[tuple] | None = None):
+                 logprobs: StepLogprobs | None = None):
         self.batch = batch
         self.sampling = sampling  # the requests that sample, in batch order
         self.download = download
-        self.logprob_rows = logprob_rows  # per sampling request: its token's logprob row, or None
+        self.logprobs = logprobs  # prompt and output logprob rows, recorded with the tokens
         self._tokens: list[int] | None = None if download is not None else []
 
     @property
@@ -303,8 +303,8 @@ class ModelRunner:
                 meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
             hidden = self.model(ids, meta.positions, self.kv_caches, meta)
         # LM head on the sampling rows (and prompt-logprob rows), sampling, logprobs.
-        tokens, logprob_rows = self.sampler.run(batch.requests, batch.num_new_tokens, hidden, sample_rows, sampling)
-        return LaunchedStep(batch, sampling, self.download(tokens) if sampling else None, logprob_rows)
+        tokens, logprobs = self.sampler.run(batch.requests, batch.num_new_tokens, hidden, sample_rows, sampling)
+        return LaunchedStep(batch, sampling, self.download(tokens) if sampling else None, logprobs)
 
     def _patch(self, positions: list[int], rows: list[int], prev: LaunchedStep):
         """``ids[positions] = prev's sampled tokens[rows]``, on the device's stream."""

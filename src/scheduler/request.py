@@ -149,6 +149,14 @@ class Request:
         prefix cache)."""
         return 0 <= self.input_logprob_next < self.num_prompt_tokens - 1
 
+    def input_logprob_span(self, num_new_tokens: int) -> range:
+        """Prompt positions whose logits (for prompt logprobs) a step computing the next
+        ``num_new_tokens`` tokens yields and still are needed."""
+        if not self.needs_input_logprobs:
+            return range(0)
+        start = self.num_computed_tokens
+        return range(max(start, self.input_logprob_next), min(start + num_new_tokens, self.num_prompt_tokens - 1))
+
     @property
     def prefix_cache_limit(self) -> int | None:
         """At most this many leading tokens may come from the prefix cache (None: no limit)."""

@@ -12,13 +12,14 @@ The model runner calls :meth:`BatchSampler.run` after the forward pass. It
   sampled token back to the matcher);
 * samples every row in one vectorised pass (kernels.sampling), or takes the plain
   argmax when every row is greedy with nothing to apply;
-* computes logprobs (of the raw logits, before any sampling transform): the prompt's on
-  the requests, the sampled tokens' for the scheduler to record with the tokens.
+* computes logprobs (of the raw logits, before any sampling transform), the prompt's and
+  the sampled tokens', for the scheduler to record with the tokens.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -107,21 +108,21 @@ class BatchSampler:
         hidden: torch.Tensor,
         sample_rows: list[int],
         sampling: list[Request],
-    ) -> tuple[torch.Tensor | None, list[tuple] | None]:
+    ) -> tuple[torch.Tensor | None, StepLogprobs | None]:
         """One token for each request in ``sampling`` (hidden row ``sample_rows[i]``), as a
-        device tensor (None when no row samples), and the output-logprob row of each (None
-        for requests that want none; None in all when no request does), which the
-        scheduler records with the token. Only logprobs read results back here."""
-        self._input_logprobs(requests, num_new_tokens, hidden)
+        device tensor (None when no row samples), and the step's logprobs (None when no
+        request asked), which the scheduler records with the tokens. Only logprobs read
+        results back here; nothing here changes a request."""
+        logprobs = StepLogprobs(prompt=self._input_logprobs(requests, num_new_tokens, hidden))
         if not sample_rows:
-            return None, None
+            return None, logprobs if logprobs.prompt else None
         if len(sample_rows) == hidden.shape[0]:  # every row samples (decode-only steps): no gather
             rows = hidden
         else:
             rows = hidden[self.upload(np.asarray(sample_rows, dtype=np.int64))]
         logits = self.model.compute_logits(rows)
         lp_rows = [i for i, r in enumerate(sampling) if r.output_logprobs is not None]
-        logprobs = logits[lp_rows].float().log_softmax(dim=-1) if lp_rows else None
+        lp_values = logits[lp_rows].float().log_softmax(dim=-1) if lp_rows else None
         params = self.build(sampling)
         if params.plain_greedy:
             tokens = argmax_rows(logits)
@@ -132,14 +133,13 @@ class BatchSampler:
             tokens = gumbel_sample(logits, params.fused_temperature, seed)
         else:
             tokens = sample(logits.float(), params, self.generator)
-        rows = None
         if lp_rows:
-            rows = [None] * len(sampling)
+            logprobs.output = [None] * len(sampling)
             wanting = [sampling[i] for i in lp_rows]
             ids, widths = self._ids_index(wanting, self.device)
-            for i, row in zip(lp_rows, self._logprob_rows(wanting, logprobs, tokens[lp_rows], ids, widths)):
-                rows[i] = row
-        return tokens, rows
+            for i, row in zip(lp_rows, self._logprob_rows(wanting, lp_values, tokens[lp_rows], ids, widths)):
+                logprobs.output[i] = row
+        return tokens, logprobs if lp_rows or logprobs.prompt else None
 
     # -- sampling tensors --------------------------------------------------------------
     def build(self, reqs: list[Request]) -> SamplingTensors:
@@ -247,29 +247,36 @@ class BatchSampler:
                 ids_v[j][: widths[j]] if ids_v is not None and widths[j] else [],
             )
 
-    def _input_logprobs(self, requests: list[Request], num_new_tokens: list[int], hidden: torch.Tensor) -> None:
-        """Prompt logprobs for the prompt rows computed this step (requests that asked)."""
+    def _input_logprobs(
+        self, requests: list[Request], num_new_tokens: list[int], hidden: torch.Tensor
+    ) -> list[tuple[Request, tuple]]:
+        """(request, row) of the prompt logprobs of the rows computed this step, in order
+        (requests that asked; :meth:`Request.input_logprob_span` says which positions)."""
         rows: list[int] = []
         targets: list[int] = []
         owners: list[Request] = []
         offset = 0
         for req, n in zip(requests, num_new_tokens):
-            if req.needs_input_logprobs:
-                start = req.num_computed_tokens
-                lo = max(start, req.input_logprob_next)
-                hi = min(start + n, req.num_prompt_tokens - 1)
-                for p in range(lo, hi):  # logits at position p give the logprob of token p + 1
-                    rows.append(offset + p - start)
-                    targets.append(req.token_ids[p + 1])
-                    owners.append(req)
-                if hi > lo:
-                    req.input_logprob_next = hi
+            start = req.num_computed_tokens
+            for p in req.input_logprob_span(n):  # logits at position p give the logprob of token p + 1
+                rows.append(offset + p - start)
+                targets.append(req.token_ids[p + 1])
+                owners.append(req)
             offset += n
+        out = []
         for s in range(0, len(rows), INPUT_LOGPROB_SLICE):
             part = slice(s, s + INPUT_LOGPROB_SLICE)
             reqs = owners[part]
             idx = torch.tensor(rows[part], device=self.device)
             logprobs = self.model.compute_logits(hidden[idx]).float().log_softmax(dim=-1)
             target_ids = torch.tensor(targets[part], device=self.device)
-            for req, row in zip(reqs, self._logprob_rows(reqs, logprobs, target_ids)):
-                req.input_logprobs.append(*row)
+            out.extend(zip(reqs, self._logprob_rows(reqs, logprobs, target_ids)))
+        return out
+
+
+@dataclass
+class StepLogprobs:
+    """A step's logprobs, recorded by the scheduler when it takes the step's tokens."""
+
+    prompt: list[tuple[Request, tuple]] = field(default_factory=list)  # (request, row), in position order
+    output: list[tuple | None] | None = None  # per sampling request: its token's row, or None

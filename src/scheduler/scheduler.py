@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .kv_manager import KVCacheManager
 from .messages import AddRequest
 from .request import Request, Status
+
+if TYPE_CHECKING:
+    from .sampling_batch import StepLogprobs
 
 
 class AdmissionError(Exception):
@@ -235,6 +239,9 @@ class Scheduler:
         batch order; each now has one more pending token, in that row of the step's output."""
         sampling = []
         for req, n, samples in zip(batch.requests, batch.num_new_tokens, batch.samples):
+            span = req.input_logprob_span(n)
+            if span:  # those positions' prompt logprobs come with this step
+                req.input_logprob_next = span.stop
             req.num_computed_tokens += n
             if samples:
                 req.pending_row = len(sampling)
@@ -243,12 +250,16 @@ class Scheduler:
         return sampling
 
     def complete(self, batch: ScheduledBatch, sampling: list[Request], sampled: list[int],
-                 logprob_rows: list[tuple] | None = None) -> int:
+                 logprobs: StepLogprobs | None = None) -> int:
         """When a launched step's tokens reach the host: append them (one per sampling
-        request, in order, with the logprob row of those that asked), index the newly full
-        KV blocks and retire finished requests. Requests that finished meanwhile (aborted,
-        or stopped by the previous step's token while this step was in flight) drop their
+        request, in order, with the logprobs of those that asked), index the newly full KV
+        blocks and retire finished requests. Requests that finished meanwhile (aborted, or
+        stopped by the previous step's token while this step was in flight) drop their
         token. Returns how many were appended."""
+        if logprobs is not None:
+            for req, row in logprobs.prompt:
+                req.input_logprobs.append(*row)
+        logprob_rows = logprobs.output if logprobs is not None else None
         appended = 0
         for j, (req, token) in enumerate(zip(sampling, sampled)):
             req.num_pending -= 1
