@@ -112,7 +112,8 @@ class BatchSampler:
         """One token for each request in ``sampling`` (hidden row ``sample_rows[i]``), as a
         device tensor (None when no row samples), and the step's logprobs (None when no
         request asked), which the scheduler records with the tokens. Only logprobs read
-        results back here; nothing here changes a request."""
+        results back here; of a request, only the sampler's own state (seeded generator,
+        token buffer) changes."""
         logprobs = StepLogprobs(prompt=self._input_logprobs(requests, num_new_tokens, hidden))
         if not sample_rows:
             return None, logprobs if logprobs.prompt else None
