@@ -82,23 +82,25 @@ def test_generation_throughput_over_a_sliding_window(loaded, monkeypatch):
     engine = make_engine(loaded)
     clock = [1000.0]
     monkeypatch.setattr("scheduler.engine.time", SimpleNamespace(monotonic=lambda: clock[0]))  # this module's clock only
-    for t, n in [(0.0, 10), (1.0, 20), (2.0, 30), (6.5, 40)]:  # the 5 s window drops the first
-        clock[0] = 1000.0 + t
-        engine._recent_tokens(n)
-        engine.refresh_load()
-    # the newest entry older than the window (t=1) stays as the span's start: its tokens came before it
-    assert engine.stats.recent_tokens_sum == 90 == sum(n for _, n in engine.stats.recent_tokens)
-    assert engine.load.gen_throughput == pytest.approx((30 + 40) / 5.5)
+
+    def steps(*entries):  # (launched, done, tokens)
+        for launched, done, n in entries:
+            clock[0] = 1000.0 + done
+            engine._recent_tokens(1000.0 + launched, n)
+            engine.refresh_load()
+        return engine.load.gen_throughput
+
+    # the 5 s window drops the step done at t=1; the rate runs from the first kept launch
+    assert steps((0, 1, 10), (1, 2, 20), (2, 3, 30), (6, 6.5, 40)) == pytest.approx((20 + 30 + 40) / 5.5)
+    assert engine.stats.recent_tokens_sum == 90 == sum(n for *_, n in engine.stats.recent_tokens)
     clock[0] = 1000.0 + 12.0  # idle since: nothing is left in the window
     engine.refresh_load()
     assert engine.load.gen_throughput == 0.0 and engine.stats.recent_tokens_sum == 0
-
-    # Steps longer than the window (a busy CPU): still a rate, not 0
-    for t, n in [(20.0, 10), (26.0, 20), (32.0, 30)]:
-        clock[0] = 1000.0 + t
-        engine._recent_tokens(n)
-        engine.refresh_load()
-    assert engine.load.gen_throughput == pytest.approx(30 / 6.0)
+    # steps longer than the window (a busy CPU) still give a rate, not 0
+    assert steps((20, 26, 12)) == pytest.approx(12 / 6) and steps((26, 32, 24)) == pytest.approx(24 / 6)
+    # after a short idle gap the old steps age out by their end: the gap is not averaged in
+    steps(*[(t, t + 1, 100) for t in range(40, 45)])
+    assert steps((49, 50, 100), (50, 51, 100)) == pytest.approx(100.0)
 
 
 def test_waiting_uncached_tokens_leave_out_prefix_hits_and_count_held_requests(loaded, monkeypatch):
@@ -235,6 +237,14 @@ def test_a_cancelled_request_compiling_its_grammar_holds_no_thread(loaded, monke
         while engine.abandoned_compiles:
             assert time.monotonic() < deadline, "the abandoned compiles never ended"
             time.sleep(0.05)
+        # A compile that already finished (not yet taken by a step) is no abandoned one
+        engine.add_request(AddRequest("compiled", prompts(1, seed=8)[0], good))
+        job = engine.compiling["compiled"]
+        while not job.future.done():
+            time.sleep(0.01)
+        threads = engine._grammar_threads
+        assert engine.abort("compiled") and engine._grammar_threads is threads and not engine.abandoned_compiles
+        engine.finished_outputs()
         gate.clear()  # stuck again: a new grammar must not wait behind anything
         engine.add_request(AddRequest("stuck-3", prompts(1, seed=6)[0], stuck))
         assert engine.abort("stuck-3") and engine.finished_outputs()[0].request_id == "stuck-3"

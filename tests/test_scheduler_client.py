@@ -9,7 +9,7 @@ import zmq
 import zmq.asyncio
 
 from scheduler.config import EngineConfig
-from scheduler.messages import Heartbeat, LoadSnapshot, StepOutput, from_scheduler_encoder
+from scheduler.messages import Heartbeat, KvEvents, LoadSnapshot, StepOutput, from_scheduler_encoder
 from servicer.scheduler_client import SchedulerClient
 
 
@@ -49,10 +49,11 @@ def test_a_trailing_heartbeat_never_brings_back_an_older_load():
             await scheduler.send(from_scheduler_encoder.encode(StepOutput([], step=4, batch_size=1, num_tokens=1,
                                                                           load=LoadSnapshot(version=10))))
             await scheduler.send(from_scheduler_encoder.encode(Heartbeat(LoadSnapshot(version=9), 70.5)))
-            await scheduler.send(from_scheduler_encoder.encode(StepOutput([], step=4, batch_size=1, num_tokens=1,
-                                                                          load=LoadSnapshot(version=10, num_running=5))))
-            await _wait_for(lambda: client.liveness.load.num_running == 5)
-            assert client.liveness.in_step_s == 0.0
+            marks = []  # a message after it that touches neither the load nor the in-step time
+            client.kv_event_listener = marks.append
+            await scheduler.send(from_scheduler_encoder.encode(KvEvents([], 0.0)))
+            await _wait_for(lambda: marks)
+            assert client.liveness.in_step_s == 0.0 and client.liveness.load.version == 10
         finally:
             scheduler.close(0)
             reader.cancel()

@@ -110,6 +110,17 @@ def _run(w, k, p, m, u, block=256):
     return got
 
 
+def test_top_p_one_cuts_nothing():
+    """top_p 1 is off: a token lighter than the float32 total's rounding (its "mass above"
+    equals the total) is still drawn when the uniform lands on it, as the torch path does."""
+    vocab = 3000
+    w = torch.ones(2, vocab)
+    w[:, 0] = 1e-5  # first in token order: u = 1e-9 lands on it
+    assert w[0, 1:].sum() == w[0].sum()  # (float32)
+    got = _run(w, *_params([(None, 1.0, 0.0), (None, 1.0, 0.0)], vocab), torch.full((2, ROUNDS), 1e-9), block=1024)
+    assert got.tolist() == [0, 0]
+
+
 def test_ties_at_the_kth_weight_stay():
     w = torch.tensor([0.5, 1.0, 0.5, 0.5, 0.2, 0.5, 0.1])  # k = 2: 1.0 and every 0.5 stay
     n = 24

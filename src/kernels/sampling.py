@@ -1,4 +1,5 @@
-"""Batched token sampling (torch path, any device).
+"""Batched token sampling (torch ops, any device; on GPUs the rejection rounds run in one
+Triton launch instead, ``kernels.triton_filtered_sampling``, so the host never waits).
 
 Every row carries its own parameters, so requests with different settings share a
 step; nothing here loops over rows in Python except the seeded rows' uniform draws.
@@ -22,9 +23,11 @@ renormalised kept distribution exactly (the FlashInfer rejection scheme). The fi
 is accepted with probability >= top_p, so a row rarely needs more than one or two rounds;
 a row rejected once has what min_p and top_k certainly drop zeroed first (``_narrow``).
 
-Seeded rows take their uniforms from their own (CPU) generator, one per round, and their
-rounds only depend on their own logits: given the same logits, a seeded request samples
-the same tokens whatever else shares its batch, on any device. The model's logits
+Seeded rows take their uniforms from their own (CPU) generator, one per round (the GPU
+kernel takes ``KERNEL_ROUNDS`` per step: seeded tokens differ between a CPU and a GPU, as
+their logits do anyway), and their rounds only depend on their own logits:
+given the same logits, a seeded request samples the same tokens whatever else shares its
+batch. The model's logits
 themselves can differ in the last bits between batch shapes (~3e-5 measured), so over many
 tokens a draw near a boundary can land on a neighbouring token with different company.
 """

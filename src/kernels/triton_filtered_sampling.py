@@ -67,7 +67,10 @@ def _kernel():
         last = tl.max(last_v, 0)
 
         top_k = tl.load(top_k_ptr + row)
-        p_mass = tl.load(top_p_ptr + row) * total
+        top_p = tl.load(top_p_ptr + row)
+        # off means off: a token lighter than the rounding of the float32 total would
+        # otherwise see `mass above == total` and be cut
+        p_mass = tl.where(top_p < 1.0, top_p * total, float("inf"))
         min_w = tl.load(min_w_ptr + row)
         pivot = tl.full((), -1.0, tl.float32)
         cand_mass = total

@@ -29,7 +29,7 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     batch_size_histogram: dict[int, int] = field(default_factory=dict)
-    recent_tokens: deque = field(default_factory=deque)  # (time, tokens sampled) of recent steps
+    recent_tokens: deque = field(default_factory=deque)  # (launched, done, tokens sampled) of recent steps
     recent_tokens_sum: int = 0  # kept with the deque: summing it every step costs O(steps/s)
 
 THROUGHPUT_WINDOW_S = 5.0
@@ -184,7 +184,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         job = self.compiling.pop(request_id, None)
-        if job is not None and not job.future.cancel():
+        if job is not None and not job.future.done() and not job.future.cancel():
             # Already compiling: it would keep a grammar thread as long as it runs, outside
             # the time limit (that counts for held requests only) and the overrun cap.
             self._disown(job.future)
@@ -216,7 +216,9 @@ class Engine:
             batch = batch.unfinished()  # the tokens just taken may have finished some
         launched = None
         if len(batch):
+            launched_at = time.monotonic()
             launched = self.runner.launch(batch, prev)
+            launched.launched_at = launched_at
             self.scheduler.advance(batch)
         if prev is not None:
             outputs += self._complete(prev)
@@ -236,7 +238,7 @@ class Engine:
         tokens = launched.result()
         appended = self.scheduler.complete(launched.batch, launched.sampling, tokens, launched.logprobs)
         self.stats.num_generated_tokens += appended  # not the tokens of requests already done
-        self._recent_tokens(appended)
+        self._recent_tokens(launched.launched_at, appended)
         outputs = [self._output_of(req) for req in launched.batch.requests if not req.is_finished]
         return [o for o in outputs if o is not None]
 
@@ -280,11 +282,11 @@ class Engine:
         s.batch_size_histogram[n] = s.batch_size_histogram.get(n, 0) + 1
         self.refresh_load()
 
-    def _recent_tokens(self, num_sampled: int) -> None:
+    def _recent_tokens(self, launched_at: float, num_sampled: int) -> None:
         """Count a step's tokens in the throughput window (refresh_load, which every step
         ends with, drops the old ones)."""
         s = self.stats
-        s.recent_tokens.append((time.monotonic(), num_sampled))
+        s.recent_tokens.append((launched_at, time.monotonic(), num_sampled))
         s.recent_tokens_sum += num_sampled
 
     def refresh_load(self) -> None:
@@ -292,13 +294,11 @@ class Engine:
         s, sched = self.stats, self.scheduler
         window = s.recent_tokens
         horizon = time.monotonic() - THROUGHPUT_WINDOW_S
-        # Drop what is older than the window, but keep the newest such entry as the span's
-        # start: steps longer than half the window would otherwise leave no span, and no rate.
-        while len(window) > 1 and window[1][0] < horizon:
-            s.recent_tokens_sum -= window.popleft()[1]
-        if len(window) == 1 and window[0][0] < horizon:  # idle: the rate falls to 0
-            s.recent_tokens_sum -= window.popleft()[1]
-        span = (window[-1][0] - window[0][0]) if len(window) > 1 else 0.0
+        while window and window[0][1] < horizon:  # done before the window (idle: the rate falls to 0)
+            s.recent_tokens_sum -= window.popleft()[2]
+        # over the time the steps in the window ran, from the first one's launch: a step
+        # longer than the window still gives a rate, and no idle time before it counts
+        span = (window[-1][1] - window[0][0]) if window else 0.0
         self.load = LoadSnapshot(
             version=self.load.version + 1,
             step=s.steps,
@@ -307,8 +307,7 @@ class Engine:
             num_waiting_uncached_tokens=sched.num_waiting_uncached_tokens(),
             num_used_tokens=self.pool.num_used_blocks * self.pool.block_size,
             max_total_num_tokens=self.kv.capacity_tokens,
-            # the first entry's tokens came before the span starts
-            gen_throughput=(s.recent_tokens_sum - window[0][1]) / span if span > 0 else 0.0,
+            gen_throughput=s.recent_tokens_sum / span if span > 0 else 0.0,
             cache_hit_rate=sched.num_cached_prompt_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0,
         )
 

@@ -64,6 +64,7 @@ class LaunchedStep:
         self.sampling = sampling  # the requests that sample, in batch order
         self.download = download
         self.logprobs = logprobs  # prompt and output logprob rows, recorded with the tokens
+        self.launched_at = 0.0  # monotonic time (set by the engine, for its throughput)
         self._tokens: list[int] | None = None if download is not None else []
 
     @property
@@ -133,8 +134,9 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.upload, self.download = HostToDevice(self.device), DeviceToHost(self.device)
-        self.sampler = BatchSampler(self.model, self.device, self.generator, self.model_config.vocab_size, self.upload)
         self.triton = self._use_triton()
+        self.sampler = BatchSampler(self.model, self.device, self.generator, self.model_config.vocab_size, self.upload,
+                                    triton=self.triton and self.device.type == "cuda")
         if config.small_batch_gemv and not self.triton:
             logger.warning("small_batch_gemv needs the Triton kernels (CUDA, or kernel_backend=triton): ignored")
         self.model.use_triton_kernels(self.triton, small_batch_gemv=config.small_batch_gemv, pdl=self._use_pdl())

@@ -105,9 +105,12 @@ class HeartbeatThread(threading.Thread):
 
     def run(self) -> None:
         while True:
+            # the load first: a step ending between the two reads then gives in_step 0, never
+            # that step's time with the load it ends with (which the servicer would keep)
+            load = self.engine.load
             started = self.loop.step_started
             in_step = time.monotonic() - started if started else 0.0
-            self.socket.send(from_scheduler_encoder.encode(Heartbeat(self.engine.load, in_step)))
+            self.socket.send(from_scheduler_encoder.encode(Heartbeat(load, in_step)))
             time.sleep(HEARTBEAT_S)
 
 

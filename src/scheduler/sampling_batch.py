@@ -64,7 +64,8 @@ def _state(req: Request) -> _SamplerState:
 
 
 class BatchSampler:
-    def __init__(self, model, device: torch.device, generator: torch.Generator, vocab_size: int, upload=None):
+    def __init__(self, model, device: torch.device, generator: torch.Generator, vocab_size: int, upload=None,
+                 triton: bool | None = None):
         self.model = model
         self.device = device
         self.upload = upload or HostToDevice(device)  # host arrays -> device, never waiting for the GPU
@@ -73,7 +74,8 @@ class BatchSampler:
         # Temperature-only batches on GPUs: one fused Gumbel-max pass (kernels.triton_sampling);
         # the others (top-k/p, min-p, seeds) by rejection in one Triton launch that never
         # makes the host wait (kernels.triton_filtered_sampling), so they keep the overlap.
-        self.fused_sampling = device.type == "cuda" and triton_available()
+        # (``triton``: the runner's choice, None: on CUDA when Triton is installed)
+        self.fused_sampling = triton if triton is not None else device.type == "cuda" and triton_available()
         self.filter_kernel = self.fused_sampling
         self.seeds = torch.Generator().manual_seed(generator.initial_seed())  # per-step kernel seeds, on the host
 
@@ -175,7 +177,7 @@ class BatchSampler:
                 ban_rows.append(i)
             if sp.seed is not None and not sp.greedy:
                 st = _state(req)
-                if st.generator is None:  # on the CPU: it draws one number per row and round
+                if st.generator is None:  # on the CPU: a number per round (GPUs: KERNEL_ROUNDS per step)
                     st.generator = torch.Generator()
                     st.generator.manual_seed(sp.seed & 0xFFFF_FFFF_FFFF_FFFF)
                 seeded.append((i, st.generator))

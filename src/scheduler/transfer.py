@@ -46,7 +46,9 @@ class HostToDevice:
     """``upload(array)``: a device tensor with the contents of a host numpy array, copied
     asynchronously. The array may be reused or dropped right after the call."""
 
-    def __init__(self, device: torch.device, slots: int = 16):
+    # A slot taken again within one step would wait for the step before it: a launch
+    # makes ~3 uploads for the model and up to ~7 for sampling.
+    def __init__(self, device: torch.device, slots: int = 32):
         self.device = device
         self.ring = _PinnedRing(device, slots) if device.type != "cpu" else None
 

@@ -70,9 +70,9 @@ class SchedulerClient:
         self.inbox_addr = f"ipc://{ipc_dir}/to-scheduler-{tag}"
         self.outbox_addr = f"ipc://{ipc_dir}/from-scheduler-{tag}"
         self.ipc_dir = ipc_dir
-        # Sends never wait (no HWM): a plain socket on the same context, so a failed send
-        # raises in its caller instead of in a future nobody awaits.
-        self.to_scheduler = zmq.Context.shadow(self.ctx.underlying).socket(zmq.PUSH)
+        # (asyncio socket: with no peer, e.g. just after the scheduler died, a send is a
+        # pending future rather than a blocked event loop)
+        self.to_scheduler = self.ctx.socket(zmq.PUSH)
         self.to_scheduler.setsockopt(zmq.LINGER, 0)
         self.to_scheduler.bind(self.inbox_addr)
         self.from_scheduler = self.ctx.socket(zmq.PULL)
