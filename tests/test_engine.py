@@ -135,20 +135,16 @@ def test_waiting_uncached_tokens_leave_out_prefix_hits_and_count_held_requests(l
     assert_no_leak(engine)
 
 
-def test_a_grammar_compiling_past_its_time_limit_is_refused_and_delays_no_other(loaded, monkeypatch):
-    """Two compiles that never end fill both compile threads: each request is refused with
-    INVALID_ARGUMENT once it has compiled for grammar_compile_timeout_s, and the grammar
-    queued behind them is restarted on fresh threads and served."""
+def _engine_with_a_stuck_grammar(loaded, monkeypatch, timeout_s: float):
+    """(engine, gate, good, stuck): the regex ``stuck`` compiles only once ``gate`` is set,
+    ``good`` with the real compiler at once (the vocabulary tables are already built)."""
     import threading
-    import time
 
     from scheduler import engine as engine_mod
-    from scheduler.messages import AddRequest
 
-    engine = make_engine(loaded, grammar_compile_timeout_s=5.0)  # (a cached compile took 1.3 s under load)
+    engine = make_engine(loaded, grammar_compile_timeout_s=timeout_s)
     good = SamplingParams(temperature=0.0, max_new_tokens=8, constraint_kind="regex", constraint="(yes|no)!")
     engine.generate([prompts(1, seed=5)[0]], good)  # builds the vocabulary tables: later compiles take ms
-
     gate = threading.Event()
     real = engine_mod._compile_grammar
 
@@ -159,6 +155,20 @@ def test_a_grammar_compiling_past_its_time_limit_is_refused_and_delays_no_other(
 
     monkeypatch.setattr(engine_mod, "_compile_grammar", stuck_on_purpose)
     stuck = SamplingParams(temperature=0.0, max_new_tokens=8, constraint_kind="regex", constraint="(stuck)!")
+    return engine, gate, good, stuck
+
+
+def test_a_grammar_compiling_past_its_time_limit_is_refused_and_delays_no_other(loaded, monkeypatch):
+    """Two compiles that never end fill both compile threads: each request is refused with
+    INVALID_ARGUMENT once it has compiled for grammar_compile_timeout_s, and the grammar
+    queued behind them is restarted on fresh threads and served."""
+    import time
+
+    from scheduler import engine as engine_mod
+    from scheduler.messages import AddRequest
+
+    # (5 s: a cached compile took 1.3 s under load)
+    engine, gate, good, stuck = _engine_with_a_stuck_grammar(loaded, monkeypatch, timeout_s=5.0)
     try:
         for rid, sp in (("stuck-1", stuck), ("stuck-2", stuck), ("queued", good)):
             engine.add_request(AddRequest(rid, prompts(1, seed=6)[0], sp))
@@ -200,26 +210,12 @@ def test_a_cancelled_request_compiling_its_grammar_holds_no_thread(loaded, monke
     holding a grammar thread outside the time limit and the abandoned-compile cap. Later
     grammars compile on fresh threads at once; while both abandoned ones run, new
     constraints are refused."""
-    import threading
     import time
 
     from scheduler import engine as engine_mod
     from scheduler.messages import AddRequest
 
-    engine = make_engine(loaded, grammar_compile_timeout_s=30.0)
-    good = SamplingParams(temperature=0.0, max_new_tokens=8, constraint_kind="regex", constraint="(yes|no)!")
-    engine.generate([prompts(1, seed=5)[0]], good)  # builds the vocabulary tables: later compiles take ms
-
-    gate = threading.Event()
-    real = engine_mod._compile_grammar
-
-    def stuck_on_purpose(*args):
-        if args[4] == "(stuck)!":
-            gate.wait(60)
-        return real(*args)
-
-    monkeypatch.setattr(engine_mod, "_compile_grammar", stuck_on_purpose)
-    stuck = SamplingParams(temperature=0.0, max_new_tokens=8, constraint_kind="regex", constraint="(stuck)!")
+    engine, gate, good, stuck = _engine_with_a_stuck_grammar(loaded, monkeypatch, timeout_s=30.0)
     try:
         for rid in ("stuck-1", "stuck-2"):
             engine.add_request(AddRequest(rid, prompts(1, seed=6)[0], stuck))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import zmq
 import zmq.asyncio
@@ -20,16 +21,28 @@ async def _wait_for(predicate, timeout=5.0):
         await asyncio.sleep(0.01)
 
 
+@contextlib.asynccontextmanager
+async def _reading_client():
+    """A client reading its outbox, with a PUSH socket playing the scheduler's part."""
+    client = SchedulerClient(EngineConfig(model="unused"))
+    reader = asyncio.create_task(client._read_loop())
+    scheduler = client.ctx.socket(zmq.PUSH)
+    scheduler.connect(client.outbox_addr)
+    try:
+        yield client, scheduler
+    finally:
+        scheduler.close(0)
+        reader.cancel()
+        client._reader = reader
+        await client.stop()
+
+
 def test_a_trailing_heartbeat_never_brings_back_an_older_load():
     """The heartbeat thread may read the load before a step ends and send it after the
     step's output (its own socket): GetLoads must keep showing the step's newer load."""
 
     async def scenario():
-        client = SchedulerClient(EngineConfig(model="unused"))
-        reader = asyncio.create_task(client._read_loop())
-        scheduler = client.ctx.socket(zmq.PUSH)
-        scheduler.connect(client.outbox_addr)
-        try:
+        async with _reading_client() as (client, scheduler):
             running = LoadSnapshot(version=7, num_running=1)
             idle = LoadSnapshot(version=8, num_running=0)
             await scheduler.send(from_scheduler_encoder.encode(StepOutput([], step=3, batch_size=1, num_tokens=1, load=idle)))
@@ -54,11 +67,6 @@ def test_a_trailing_heartbeat_never_brings_back_an_older_load():
             await scheduler.send(from_scheduler_encoder.encode(KvEvents([], 0.0)))
             await _wait_for(lambda: marks)
             assert client.liveness.in_step_s == 0.0 and client.liveness.load.version == 10
-        finally:
-            scheduler.close(0)
-            reader.cancel()
-            client._reader = reader
-            await client.stop()
 
     asyncio.run(scenario())
 
@@ -67,20 +75,12 @@ def test_an_unreadable_message_marks_the_scheduler_dead_at_once():
     """A failure in the read loop must not leave every request waiting for the watchdog."""
 
     async def scenario():
-        client = SchedulerClient(EngineConfig(model="unused"))
-        reader = asyncio.create_task(client._read_loop())
-        scheduler = client.ctx.socket(zmq.PUSH)
-        scheduler.connect(client.outbox_addr)
-        try:
+        async with _reading_client() as (client, scheduler):
             waiter = asyncio.Queue()
             client._requests["r1"] = waiter
             await scheduler.send(b"not msgspec")
             error = await asyncio.wait_for(waiter.get(), 5)
             assert client.died.is_set() and "could not read the scheduler's messages" in str(error), error
-        finally:
-            scheduler.close(0)
-            client._reader = reader
-            await client.stop()
 
     asyncio.run(scenario())
 

@@ -354,6 +354,9 @@ for dt in ("bf16", "fp16"):
 from kernels import triton_sampling as ts
 compile(ts._kernel(), dict(logits_ptr="*bf16", temp_ptr="*fp32", best_val_ptr="*fp32", best_idx_ptr="*i64",
                            seed="i32", vocab="i32", stride_row="i32"), dict(NUM_SLICES=38, BLOCK=4096))
+from kernels import triton_filtered_sampling as tf  # (nested while loops, loop-carried scalars)
+compile(tf._kernel(), dict(w_ptr="*fp32", top_k_ptr="*i64", top_p_ptr="*fp32", min_w_ptr="*fp32", u_ptr="*fp32",
+                           out_ptr="*i64"), dict(BLOCK=tf.BLOCK))
 print("ok")
 """
 
