@@ -216,9 +216,7 @@ class Engine:
             batch = batch.unfinished()  # the tokens just taken may have finished some
         launched = None
         if len(batch):
-            launched_at = time.monotonic()
             launched = self.runner.launch(batch, prev)
-            launched.launched_at = launched_at
             self.scheduler.advance(batch)
         if prev is not None:
             outputs += self._complete(prev)

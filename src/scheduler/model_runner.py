@@ -59,12 +59,12 @@ class LaunchedStep:
     """A step whose sampled tokens may still be on their way from the device."""
 
     def __init__(self, batch: ScheduledBatch, sampling: list, download: Download | None,
-                 logprobs: StepLogprobs | None = None):
+                 logprobs: StepLogprobs | None = None, launched_at: float = 0.0):
         self.batch = batch
         self.sampling = sampling  # the requests that sample, in batch order
         self.download = download
         self.logprobs = logprobs  # prompt and output logprob rows, recorded with the tokens
-        self.launched_at = 0.0  # monotonic time (set by the engine, for its throughput)
+        self.launched_at = launched_at  # monotonic (the engine's throughput spans from it)
         self._tokens: list[int] | None = None if download is not None else []
 
     @property
@@ -273,6 +273,7 @@ class ModelRunner:
         the end of its known and pending tokens, in batch order) arrive with
         :meth:`LaunchedStep.result`. A request's pending last token (overlap schedule) is
         read from ``prev``'s sampled tokens on the device, never from the host."""
+        launched_at = time.monotonic()
         input_ids, query_lens, seq_lens, tables, sample_rows, sampling = [], [], [], [], [], []
         patch_pos, patch_rows = [], []
         offset = 0
@@ -306,7 +307,7 @@ class ModelRunner:
             hidden = self.model(ids, meta.positions, self.kv_caches, meta)
         # LM head on the sampling rows (and prompt-logprob rows), sampling, logprobs.
         tokens, logprobs = self.sampler.run(batch.requests, batch.num_new_tokens, hidden, sample_rows, sampling)
-        return LaunchedStep(batch, sampling, self.download(tokens) if sampling else None, logprobs)
+        return LaunchedStep(batch, sampling, self.download(tokens) if sampling else None, logprobs, launched_at)
 
     def _patch(self, positions: list[int], rows: list[int], prev: LaunchedStep):
         """``ids[positions] = prev's sampled tokens[rows]``, on the device's stream."""

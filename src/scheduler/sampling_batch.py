@@ -260,11 +260,12 @@ class BatchSampler:
         owners: list[Request] = []
         offset = 0
         for req, n in zip(requests, num_new_tokens):
-            start = req.num_computed_tokens
-            for p in req.input_logprob_span(n):  # logits at position p give the logprob of token p + 1
-                rows.append(offset + p - start)
-                targets.append(req.token_ids[p + 1])
-                owners.append(req)
+            if req.input_logprobs is not None:
+                start = req.num_computed_tokens
+                for p in req.input_logprob_span(n):  # logits at position p give the logprob of token p + 1
+                    rows.append(offset + p - start)
+                    targets.append(req.token_ids[p + 1])
+                    owners.append(req)
             offset += n
         out = []
         for s in range(0, len(rows), INPUT_LOGPROB_SLICE):

@@ -239,9 +239,10 @@ class Scheduler:
         batch order; each now has one more pending token, in that row of the step's output."""
         sampling = []
         for req, n, samples in zip(batch.requests, batch.num_new_tokens, batch.samples):
-            span = req.input_logprob_span(n)
-            if span:  # those positions' prompt logprobs come with this step
-                req.input_logprob_next = span.stop
+            if req.input_logprobs is not None:  # (a per-request check on the hot path: cheap first)
+                span = req.input_logprob_span(n)
+                if span:  # those positions' prompt logprobs come with this step
+                    req.input_logprob_next = span.stop
             req.num_computed_tokens += n
             if samples:
                 req.pending_row = len(sampling)
