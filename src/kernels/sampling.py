@@ -198,6 +198,7 @@ class SamplingTensors:
                         np.float32)
         greedy = sorted(set(range(n)) - set(rows)) if r < n else []
         ints = packed([ks] + ([rows, greedy] if r < n else []), np.int64)
+        seeded = [(position[i], g) for i, g in seeded if i in position]  # (its row among the sampling rows)
         return SamplingTensors(
             temperature=floats[:r],
             top_p=floats[seg : seg + r],
@@ -208,21 +209,21 @@ class SamplingTensors:
             any_top_p=any(p < 1.0 for p in ps),
             random_rows=ints[seg : seg + r] if r < n else None,
             greedy_rows=ints[2 * seg :] if r < n else None,
-            seeded=[(position[i], g) for i, g in seeded if i in position],
+            seeded=seeded,
             num_rows=r,
-            uniforms=_kernel_uniforms(r, kernel_generator, seeded, position, upload) if kernel_generator and r else None,
+            uniforms=_kernel_uniforms(r, kernel_generator, seeded, upload) if kernel_generator and r else None,
             **extra,
         )
 
 
-def _kernel_uniforms(n: int, generator: torch.Generator, seeded, position: dict, upload) -> torch.Tensor:
-    """[n, KERNEL_ROUNDS] uniforms on the generator's device; a seeded row's come from its own
-    generator (a fixed KERNEL_ROUNDS per step, whatever its rounds need), in one upload."""
+def _kernel_uniforms(n: int, generator: torch.Generator, seeded, upload) -> torch.Tensor:
+    """[n, KERNEL_ROUNDS] uniforms on the generator's device; a seeded row's (row, generator)
+    come from its own generator (a fixed KERNEL_ROUNDS per step, whatever its rounds need),
+    in one upload."""
     u = torch.rand(n, KERNEL_ROUNDS, device=generator.device, generator=generator)
-    picks = [(position[i], g) for i, g in seeded if i in position]
-    if picks:
+    if seeded:
         # (row, its uniforms) in one float32 array: row indices < 2**24 are exact
-        host = np.stack([np.concatenate([[j], torch.rand(KERNEL_ROUNDS, generator=g).numpy()]) for j, g in picks])
+        host = np.stack([np.concatenate([[j], torch.rand(KERNEL_ROUNDS, generator=g).numpy()]) for j, g in seeded])
         packed = upload(host.astype(np.float32))
         u.index_copy_(0, packed[:, 0].long(), packed[:, 1:])
     return u

@@ -263,6 +263,7 @@ class SchedulerClient:
         if request_id in self._finished or not self.alive:  # no (further) final output will come
             self.release(request_id)
             return
+        logger.debug("request %s: its caller left; aborting it", request_id)
         self.abort(request_id, reason)
         self._requests[request_id] = _DISCARD
 

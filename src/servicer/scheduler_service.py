@@ -40,14 +40,13 @@ class _Choice:
     """Progress of one of the n sequences of a Generate call: every output token (and its
     logprob row) so far, and how many of them went out in chunks."""
 
-    __slots__ = ("index", "output_ids", "num_chunked", "sent_chunk", "done", "logprobs", "input_logprobs", "input_sent")
+    __slots__ = ("index", "output_ids", "num_chunked", "sent_chunk", "logprobs", "input_logprobs", "input_sent")
 
     def __init__(self, index: int, want_logprobs: bool = False):
         self.index = index
         self.output_ids: list[int] = []
         self.num_chunked = 0  # output tokens already sent in chunks
         self.sent_chunk = False
-        self.done = False
         # output logprob columns, aligned with output_ids: values, top values, top ids, ids values
         self.logprobs: tuple[list, list, list, list] | None = ([], [], [], []) if want_logprobs else None
         self.input_logprobs: LogprobRows | None = None
@@ -128,8 +127,6 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {item}")
                 out: RequestOutput = item
                 choice = choices[out.request_id]
-                if out.finish_reason is not None:
-                    choice.done = True  # the scheduler holds nothing of it any more
                 if out.error is not None:
                     code = getattr(grpc.StatusCode, out.error_code or "INTERNAL", grpc.StatusCode.INTERNAL)
                     await context.abort(code, out.error)
@@ -146,20 +143,11 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
                                  time.monotonic() - started)
                     yield pb.GenerateResponse(request_id=rid, complete=self._complete(out, choice, request))
         finally:
-            # Final outputs already queued but not read (the other children of an n > 1
-            # call refused together, or a client gone mid-yield) ended their requests too.
-            # Nothing awaits between here and the cancels below, so none slips past.
-            while not queue.empty():
-                item = queue.get_nowait()
-                if isinstance(item, RequestOutput) and item.finish_reason is not None:
-                    choices[item.request_id].done = True
-            # A cancelled call (client gone) or an error: stop the work and free the KV now.
-            for cid, choice in choices.items():
-                if choice.done:
-                    self.client.release(cid)
-                else:
-                    logger.debug("request %s: cancelled by the client or an error; aborting it", cid)
-                    self.client.cancel(cid, "client cancelled")
+            # Every sequence's id is let go of: a finished one's at once (the client knows
+            # which final outputs arrived, read or not); one still running (client gone, or
+            # an error) is aborted, its KV freed now, its id kept until the scheduler lets go.
+            for cid in choices:
+                self.client.cancel(cid, "client cancelled")
             self.children.pop(rid, None)
 
     @staticmethod
