@@ -14,11 +14,11 @@ import msgspec
 from google.protobuf import struct_pb2, timestamp_pb2
 
 from scheduler.config import EngineConfig
-from scheduler.messages import LogprobRows, RequestOutput
 
 from .generated import common_pb2
 from .generated import sglang_scheduler_pb2 as pb
 from .generated import sglang_scheduler_pb2_grpc as pb_grpc
+from .generate_responses import GenerateResponses
 from .health import HealthState
 from .kv_events import KvEventHub
 from .request_conversion import MAX_SEED, InvalidRequest, to_add_request
@@ -34,36 +34,6 @@ def _struct(values: dict) -> struct_pb2.Struct:
     s = struct_pb2.Struct()
     s.update({k: v for k, v in values.items() if v is not None})
     return s
-
-
-class _Choice:
-    """Progress of one of the n sequences of a Generate call: every output token (and its
-    logprob row) so far, and how many of them went out in chunks."""
-
-    __slots__ = ("index", "output_ids", "num_chunked", "sent_chunk", "logprobs", "input_logprobs", "input_sent")
-
-    def __init__(self, index: int, want_logprobs: bool = False):
-        self.index = index
-        self.output_ids: list[int] = []
-        self.num_chunked = 0  # output tokens already sent in chunks
-        self.sent_chunk = False
-        # output logprob columns, aligned with output_ids: values, top values, top ids, ids values
-        self.logprobs: tuple[list, list, list, list] | None = ([], [], [], []) if want_logprobs else None
-        self.input_logprobs: LogprobRows | None = None
-        self.input_sent = False
-
-    def add(self, out: RequestOutput) -> None:
-        self.output_ids.extend(out.new_token_ids)
-        rows = out.output_logprobs
-        if self.logprobs is not None and out.new_token_ids:
-            values, top_v, top_i, ids_v = self.logprobs
-            n = len(out.new_token_ids)
-            values.extend(rows.values if rows is not None else [0.0] * n)
-            top_v.extend(rows.top_values if rows is not None and rows.top_values else [[]] * n)
-            top_i.extend(rows.top_ids if rows is not None and rows.top_ids else [[]] * n)
-            ids_v.extend(rows.ids_values if rows is not None and rows.ids_values else [[]] * n)
-        if out.input_logprobs is not None:
-            self.input_logprobs = out.input_logprobs
 
 
 class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
@@ -98,121 +68,54 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         except InvalidRequest as e:
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))
         rid = request.request_id
-        n = max(request.sampling_params.n, 1)
-        ids = [rid] if n == 1 else [f"{rid}-n{i}" for i in range(n)]
-        # n > 1 names its sequences "<id>-n<i>": no id of this call may clash with one in
-        # flight, whether a caller's id or a sequence's (a clash would cross their outputs).
-        if any(x in self.children or self.client.has_request(x) for x in (rid, *ids)):
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request id {rid!r} is already in flight (or still being cancelled)")
-        choices = {cid: _Choice(i, base.sampling.return_logprob) for i, cid in enumerate(ids)}
-        sp = request.sampling_params
-        # stream_interval: a chunk every N tokens (the first chunk of a choice goes out at once)
-        interval = sp.stream_interval if sp.HasField("stream_interval") and sp.stream_interval > 0 else 1
+        ids = await self._sequence_ids(request, context)
+        responses = GenerateResponses(request, ids, base.sampling.return_logprob)
         self.children[rid] = ids
         queue: asyncio.Queue = asyncio.Queue()
         started = time.monotonic()
         logger.debug("request %s: %d prompt tokens, n=%d, max_new_tokens=%s, stream=%s", rid,
-                     len(base.input_ids), n, base.sampling.max_new_tokens, request.stream)
+                     len(base.input_ids), len(ids), base.sampling.max_new_tokens, request.stream)
         try:
-            for i, cid in enumerate(ids):
-                child = msgspec.structs.replace(base, request_id=cid)
-                if i and base.sampling.seed is not None:  # n seeded samples must differ, reproducibly
-                    child.sampling = msgspec.structs.replace(base.sampling, seed=(base.sampling.seed + i) % MAX_SEED)
-                self.client.submit(child, queue)
-            remaining = n
-            while remaining:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {item}")
-                out: RequestOutput = item
-                choice = choices[out.request_id]
+            self._submit(base, ids, queue)
+            while not responses.done:
+                out = await queue.get()
+                if isinstance(out, Exception):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {out}")
                 if out.error is not None:
                     code = getattr(grpc.StatusCode, out.error_code or "INTERNAL", grpc.StatusCode.INTERNAL)
                     await context.abort(code, out.error)
-                choice.add(out)
-                pending = len(choice.output_ids) - choice.num_chunked
-                if request.stream and (
-                    not choice.sent_chunk or pending >= interval or (pending and out.finish_reason is not None)
-                ):
-                    yield pb.GenerateResponse(request_id=rid, chunk=self._chunk(out, choice, request))
+                for response in responses.on_output(out):
+                    yield response
                 if out.finish_reason is not None:
-                    remaining -= 1
                     logger.debug("request %s: %s after %d tokens (%d cached prompt tokens) in %.2f s", out.request_id,
-                                 out.finish_reason, len(choice.output_ids), out.num_cached_tokens,
+                                 out.finish_reason, out.num_output_tokens, out.num_cached_tokens,
                                  time.monotonic() - started)
-                    yield pb.GenerateResponse(request_id=rid, complete=self._complete(out, choice, request))
         finally:
             # Every sequence's id is let go of: a finished one's at once (the client knows
             # which final outputs arrived, read or not); one still running (client gone, or
             # an error) is aborted, its KV freed now, its id kept until the scheduler lets go.
-            for cid in choices:
+            for cid in ids:
                 self.client.cancel(cid, "client cancelled")
             self.children.pop(rid, None)
 
-    @staticmethod
-    def _output_logprobs(choice: _Choice, start: int, request) -> pb.OutputLogProbs:
-        """OutputLogProbs of the choice's output tokens [start:] (a chunk's, or all)."""
-        values, top_v, top_i, ids_v = choice.logprobs
-        msg = pb.OutputLogProbs(token_logprobs=values[start:], token_ids=choice.output_ids[start:])
-        if request.top_logprobs_num > 0:
-            msg.top_logprobs.extend(pb.TopLogProbs(values=v, token_ids=i) for v, i in zip(top_v[start:], top_i[start:]))
-        if request.token_ids_logprob:
-            wanted = list(request.token_ids_logprob)
-            msg.token_ids_logprobs.extend(pb.TopLogProbs(values=v, token_ids=wanted) for v in ids_v[start:])
-        return msg
+    async def _sequence_ids(self, request, context) -> list[str]:
+        """The scheduler's ids of the call's n sequences: n > 1 names them "<id>-n<i>". No
+        id of this call may clash with one in flight, whether a caller's id or a
+        sequence's (a clash would cross their outputs)."""
+        rid = request.request_id
+        n = max(request.sampling_params.n, 1)
+        ids = [rid] if n == 1 else [f"{rid}-n{i}" for i in range(n)]
+        if any(x in self.children or self.client.has_request(x) for x in (rid, *ids)):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request id {rid!r} is already in flight (or still being cancelled)")
+        return ids
 
-    @staticmethod
-    def _input_logprobs(rows: LogprobRows, request) -> pb.InputLogProbs:
-        msg = pb.InputLogProbs(
-            token_logprobs=[pb.InputTokenLogProb() if v is None else pb.InputTokenLogProb(value=v) for v in rows.values],
-            token_ids=rows.token_ids,
-        )
-        if request.top_logprobs_num > 0:
-            top_v = rows.top_values or [[]] * len(rows.values)
-            top_i = rows.top_ids or [[]] * len(rows.values)
-            msg.top_logprobs.extend(pb.TopLogProbs(values=v, token_ids=i) for v, i in zip(top_v, top_i))
-        return msg
-
-    def _chunk(self, out: RequestOutput, choice: _Choice, request) -> pb.GenerateStreamChunk:
-        """The tokens not yet chunked (with their logprob rows; the prompt's in the first
-        chunk that has them); counts are cumulative."""
-        start = choice.num_chunked
-        chunk = pb.GenerateStreamChunk(
-            token_ids=choice.output_ids[start:],
-            prompt_tokens=out.num_prompt_tokens,
-            completion_tokens=out.num_output_tokens,
-            cached_tokens=out.num_cached_tokens,
-            index=choice.index,
-        )
-        if choice.logprobs is not None:
-            chunk.output_logprobs.CopyFrom(self._output_logprobs(choice, start, request))
-        if choice.input_logprobs is not None and not choice.input_sent:
-            choice.input_sent = True
-            chunk.input_logprobs.CopyFrom(self._input_logprobs(choice.input_logprobs, request))
-        choice.num_chunked = len(choice.output_ids)
-        choice.sent_chunk = True
-        return chunk
-
-    def _complete(self, out: RequestOutput, choice: _Choice, request) -> pb.GenerateComplete:
-        """Every output token and (cumulative) logprob of the choice."""
-        complete = pb.GenerateComplete(
-            output_ids=choice.output_ids,
-            finish_reason=out.finish_reason,
-            prompt_tokens=out.num_prompt_tokens,
-            completion_tokens=out.num_output_tokens,
-            cached_tokens=out.num_cached_tokens,
-            index=choice.index,
-        )
-        if out.matched_token_id is not None:
-            complete.matched_token_id = out.matched_token_id
-        elif out.matched_stop_str is not None:
-            complete.matched_stop_str = out.matched_stop_str
-        if choice.logprobs is not None:
-            complete.output_logprobs.CopyFrom(self._output_logprobs(choice, 0, request))
-        if choice.input_logprobs is not None:
-            complete.input_logprobs.CopyFrom(self._input_logprobs(choice.input_logprobs, request))
-        return complete
+    def _submit(self, base, ids: list[str], queue: asyncio.Queue) -> None:
+        for i, cid in enumerate(ids):
+            child = msgspec.structs.replace(base, request_id=cid)
+            if i and base.sampling.seed is not None:  # n seeded samples must differ, reproducibly
+                child.sampling = msgspec.structs.replace(base.sampling, seed=(base.sampling.seed + i) % MAX_SEED)
+            self.client.submit(child, queue)
 
     async def Abort(self, request, context):
         ids = self.children.get(request.request_id, [request.request_id])
