@@ -167,42 +167,47 @@ class Request:
         return self.status is Status.FINISHED
 
     def append_token(self, token_id: int) -> None:
-        """Add a sampled token and decide whether the request is done.
-
-        min_new_tokens: the sampler masks stop ids while fewer than that many tokens
-        exist, so a stop id can end the request from output token min_new_tokens + 1 on.
-        """
+        """Add a sampled token and decide whether the request is done: a grammar dead
+        end, a stop token (or a complete grammar), a stop string, or the length limit."""
         if self.max_new_tokens == 0:  # a prompt-only request: its last prefill step's sample is no output
             self.finish("length")
             return
         self.token_ids.append(token_id)
-        n = self.num_output_tokens
         if self.grammar is not None and not self.grammar.accept_token(token_id):
             # The sampler keeps to the grammar's bitmask: it left a token outside only
             # because the grammar allowed none (e.g. ``root ::= root``), a dead end.
-            self.error = ("INVALID_ARGUMENT", f"the structured-output grammar allows no token after {n - 1} "
-                          "output token(s): it admits no complete output from here (or the penalties ruled out "
-                          "every token it allows)")
+            self.error = ("INVALID_ARGUMENT", f"the structured-output grammar allows no token after "
+                          f"{self.num_output_tokens - 1} output token(s): it admits no complete output from "
+                          "here (or the penalties ruled out every token it allows)")
             self.finish("abort")
-            return
-        if token_id in self.stop_ids and n > self.sampling.min_new_tokens:
+        elif self._is_stop_token(token_id):
             self.finish("stop", matched_token_id=token_id)
-            return
-        if self.grammar is not None and self.grammar.is_terminated():
-            # the grammar is complete and took its stop token (e.g. EOS under ignore_eos)
-            self.finish("stop", matched_token_id=token_id)
-            return
-        if self.stop_checker is not None:
-            match = self.stop_checker.feed(token_id)
-            if match is not None and n >= self.sampling.min_new_tokens:
-                stop, keep = match
-                self.matched_stop_str = stop
-                if not self.sampling.no_stop_trim:
-                    self.num_visible_outputs = keep
-                self.finish("stop")
-                return
-        if n >= self.max_new_tokens:
+        elif self._matches_stop_string(token_id):
+            self.finish("stop")
+        elif self.num_output_tokens >= self.max_new_tokens:
             self.finish("length")
+
+    def _is_stop_token(self, token_id: int) -> bool:
+        """A stop id ends the request from output token min_new_tokens + 1 on (the sampler
+        masks stop ids before that); a complete grammar ends it on the stop token it took
+        (e.g. EOS under ignore_eos)."""
+        if token_id in self.stop_ids and self.num_output_tokens > self.sampling.min_new_tokens:
+            return True
+        return self.grammar is not None and self.grammar.is_terminated()
+
+    def _matches_stop_string(self, token_id: int) -> bool:
+        """Feed the token to the stop-string checker; on a match (once min_new_tokens
+        exist) record it and, unless no_stop_trim, how much output stays visible."""
+        if self.stop_checker is None:
+            return False
+        match = self.stop_checker.feed(token_id)
+        if match is None or self.num_output_tokens < self.sampling.min_new_tokens:
+            return False
+        stop, keep = match
+        self.matched_stop_str = stop
+        if not self.sampling.no_stop_trim:
+            self.num_visible_outputs = keep
+        return True
 
     def finish(self, reason: str, matched_token_id: int | None = None) -> None:
         self.status = Status.FINISHED
