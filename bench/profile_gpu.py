@@ -206,7 +206,7 @@ def torch_profile() -> None:
     engine.generate([[5] * 100], SamplingParams(max_new_tokens=4, temperature=0.6, ignore_eos=True))
     prompts, max_tokens = n256_workload()
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
-        engine.add_request(AddRequest(f"r{i}", p, SamplingParams(max_new_tokens=m, temperature=0.6, ignore_eos=True), 0.0))
+        engine.add_request(AddRequest(f"r{i}", p, SamplingParams(max_new_tokens=m, temperature=0.6, ignore_eos=True)))
     for phase, steps in (("prefill (eager) steps", 3), ("decode (graph) steps", 0)):
         if phase.startswith("decode"):
             while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:

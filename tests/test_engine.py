@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from scheduler.config import EngineConfig
-from scheduler.engine import Engine
+from scheduler.engine import AdmissionError, Engine
 from scheduler.messages import SamplingParams
 from scheduler.model_runner import ModelRunner, load_model
 
@@ -75,6 +75,17 @@ def test_preemption_under_tiny_kv_gives_same_tokens(loaded, reference):
     out = engine.generate(prompts(6), GREEDY)
     assert engine.scheduler.num_preemptions > 0
     assert [c.output_ids for c in out] == reference
+    assert_no_leak(engine)
+
+
+def test_generate_refusing_one_prompt_queues_none(loaded, reference):
+    """All or none: the prompts queued before a refused one are dropped with it, so the
+    engine is left empty and the next call runs (its ids do not clash with leftovers)."""
+    engine = make_engine(loaded)
+    with pytest.raises(AdmissionError):
+        engine.generate([prompts(1)[0], []], GREEDY)
+    assert_no_leak(engine)
+    assert engine.generate([prompts(1)[0]], GREEDY)[0].output_ids == reference[0]
     assert_no_leak(engine)
 
 

@@ -66,7 +66,7 @@ def test_same_tokens_as_the_plain_schedule(loaded, reference, overrides):
 
 def test_steps_really_overlap_and_outputs_lag_one_step(loaded):
     engine = make_engine(loaded)
-    engine.add_request(AddRequest("a", prompts(1)[0], GREEDY, 0.0))
+    engine.add_request(AddRequest("a", prompts(1)[0], GREEDY))
     first = engine.step()  # the prefill is launched; its token is not taken yet
     assert engine.inflight is not None and first.outputs == []
     second = engine.step()  # decode 1 launched, then the prefill's token taken
@@ -104,7 +104,7 @@ def test_stop_token_found_a_step_late_drops_the_extra_token(loaded, reference):
 def test_abort_while_a_step_is_in_flight(loaded, reference):
     engine = make_engine(loaded, max_running_requests=6)
     for i, p in enumerate(prompts(6)):
-        engine.add_request(AddRequest(f"r{i}", p, GREEDY, 0.0))
+        engine.add_request(AddRequest(f"r{i}", p, GREEDY))
     outputs = {}
     for _ in range(4):
         for o in engine.step().outputs:
@@ -140,7 +140,7 @@ def test_requests_needing_host_tokens_fall_back_to_plain_steps(loaded, reference
 def test_length_limit_is_not_scheduled_past(loaded):
     # The last token's step is in flight: the request is not given another row.
     engine = make_engine(loaded)
-    engine.add_request(AddRequest("a", prompts(1)[0], SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True), 0.0))
+    engine.add_request(AddRequest("a", prompts(1)[0], SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)))
     sizes = []
     while engine.has_work():
         sizes.append(engine.step().batch_size)

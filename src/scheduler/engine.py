@@ -3,6 +3,7 @@ offline (tests, benchmarks) through :meth:`Engine.generate`."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -56,7 +57,7 @@ class _GrammarCompile:
     """A held request's grammar, compiling on a worker thread."""
 
     request: Request
-    kind: str  # regex | json_schema | ebnf | structural_tag
+    kind: str  # json_schema | regex | ebnf_grammar | structural_tag
     spec: str
     future: Future
     started: float | None = None  # monotonic time it was first seen compiling (not queued)
@@ -95,6 +96,7 @@ class Engine:
         # that would do the bookkeeping: nothing to overlap, and outputs would lag a step).
         self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.runner.device.type != "cpu"
         self.inflight: LaunchedStep | None = None  # launched, tokens not yet taken
+        self._offline_ids = itertools.count()  # generate()'s request ids
         # Requests held while their grammar compiles: that can take seconds (the first one
         # also builds the vocabulary's tables), so it runs beside the step loop, not in it.
         self.compiling: dict[str, _GrammarCompile] = {}
@@ -205,8 +207,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if not len(batch) and self.inflight is None:  # nothing runs (grammars compiling)
             self.refresh_load()
-            return StepOutput(outputs=self.finished_outputs(), step=self.stats.steps, batch_size=0, num_tokens=0,
-                              load=self.load)
+            return StepOutput(outputs=self.finished_outputs(), load=self.load)
         prev, self.inflight = self.inflight, None
         overlap = self.overlap and not any(BatchSampler.needs_host_tokens(r) for r in batch.requests)
         outputs: list[RequestOutput] = []
@@ -227,9 +228,7 @@ class Engine:
                 outputs += self._complete(launched)
         self._record(batch)
         outputs += self.finished_outputs()
-        return StepOutput(
-            outputs=outputs, step=self.stats.steps, batch_size=len(batch), num_tokens=batch.num_tokens, load=self.load
-        )
+        return StepOutput(outputs=outputs, batch_size=len(batch), load=self.load)
 
     def _complete(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Take a launched step's tokens, advance its requests, and make their outputs."""
@@ -345,12 +344,18 @@ class Engine:
     ) -> list[Completion]:
         """Run prompts to completion with continuous batching; results in prompt order."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        ids = [f"offline-{self.stats.steps}-{i}" for i in range(len(prompts))]
+        ids = [f"offline-{next(self._offline_ids)}" for _ in prompts]
         results = {
             rid: Completion(rid, list(p), [], None, 0, []) for rid, p in zip(ids, prompts)
         }
-        for rid, prompt, sp in zip(ids, prompts, params):
-            self.add_request(AddRequest(rid, list(prompt), sp, time.perf_counter()))
+        try:
+            for rid, prompt, sp in zip(ids, prompts, params):
+                self.add_request(AddRequest(rid, list(prompt), sp))
+        except AdmissionError:  # all or none: the ones queued before the refused one go
+            for rid in ids:
+                self.abort(rid)
+            self.finished_outputs()
+            raise
         while self.has_work():
             out = self.step()
             now = time.perf_counter()

@@ -21,8 +21,6 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("json_schema", "regex", "ebnf_grammar", "structural_tag")
-
 
 class GrammarError(ValueError):
     """The constraint does not compile (the message says why)."""

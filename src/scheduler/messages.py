@@ -60,7 +60,6 @@ class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     input_ids: list[int]
     sampling: SamplingParams
-    arrival_time: float = 0.0
     cache_salt: str = ""  # requests share cached KV only when their salts are equal
 
 
@@ -128,9 +127,7 @@ class LoadSnapshot(msgspec.Struct):
 
 class StepOutput(msgspec.Struct, tag=True):
     outputs: list[RequestOutput]
-    step: int
-    batch_size: int
-    num_tokens: int
+    batch_size: int = 0  # requests the step computed (0: outputs from outside a step)
     # The load after this step, so the servicer's GetLoads never shows a request running
     # after its final output was delivered (heartbeats alone lag by up to HEARTBEAT_S).
     load: LoadSnapshot | None = None

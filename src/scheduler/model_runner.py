@@ -1,8 +1,9 @@
 """Model runner: owns the weights and the paged KV cache, turns a scheduled batch into
 tensors, runs the forward pass and samples.
 
-Only the rows that sample (the last token of every request whose known tokens are
-all computed after this step) go through the LM head.
+Only the rows that sample (the last token of every request whose known and pending
+tokens are all computed after this step) and the prompt rows of prompt-logprob requests
+go through the LM head.
 """
 
 from __future__ import annotations
@@ -320,5 +321,3 @@ class ModelRunner:
 
         return patch
 
-    def synchronize(self) -> None:
-        synchronize(self.device)

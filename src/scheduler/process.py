@@ -195,8 +195,7 @@ class SchedulerLoop:
         finished = self.engine.finished_outputs()
         self.engine.refresh_load()
         if refused or finished:
-            self.send(StepOutput(outputs=refused + finished, step=self.engine.stats.steps, batch_size=0, num_tokens=0,
-                                 load=self.engine.load))
+            self.send(StepOutput(outputs=refused + finished, load=self.engine.load))
 
     def _add(self, msg: AddRequest) -> RequestOutput | None:
         from .scheduler import AdmissionError

@@ -60,7 +60,6 @@ class Request:
         sampling: SamplingParams,
         max_new_tokens: int,
         eos_token_ids: frozenset[int],
-        arrival_time: float = 0.0,
         hash_extra: bytes = b"",
     ):
         self.request_id = request_id
@@ -71,7 +70,6 @@ class Request:
         self.stop_ids = frozenset(sampling.stop_token_ids) | (
             frozenset() if sampling.ignore_eos else eos_token_ids
         )
-        self.arrival_time = arrival_time
         self.hash_extra = hash_extra  # extra prefix-cache key (the cache salt)
         self.status = Status.WAITING
         self.num_computed_tokens = 0

@@ -8,8 +8,8 @@ The model runner calls :meth:`BatchSampler.run` after the forward pass. It
   (row, token) indices from per-request token-id buffers (only rows that have penalties;
   cost in the number of tokens, not rows x vocab), sparse logit bias, the min_new_tokens
   stop mask, seeded generators;
-* masks grammar-constrained rows with their xgrammar token bitmask (and feeds the
-  sampled token back to the matcher);
+* masks grammar-constrained rows with their xgrammar token bitmask (the request feeds
+  the sampled token to its matcher when the scheduler records it);
 * samples every row in one vectorised pass (kernels.sampling), or takes the plain
   argmax when every row is greedy with nothing to apply;
 * computes logprobs (of the raw logits, before any sampling transform), the prompt's and

@@ -111,7 +111,7 @@ class Scheduler:
             )
         self.check_queue_room()
         extra = msg.cache_salt.encode()
-        req = Request(msg.request_id, msg.input_ids, msg.sampling, max_new, self.eos_token_ids, msg.arrival_time, extra)
+        req = Request(msg.request_id, msg.input_ids, msg.sampling, max_new, self.eos_token_ids, extra)
         self.requests[req.request_id] = req
         if hold:
             self.held[req.request_id] = req

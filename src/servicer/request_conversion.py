@@ -7,7 +7,6 @@ their meaning here (temperature 0 = greedy, top_p 0 = 1, top_k 0 = off, ...).
 from __future__ import annotations
 
 import math
-import time
 
 from scheduler.messages import AddRequest, SamplingParams
 
@@ -179,4 +178,4 @@ def to_add_request(request, model_info: dict) -> AddRequest:
     sp = request.sampling_params
     if sp.HasField("custom_params") and "cache_salt" in sp.custom_params.fields:
         salt = sp.custom_params.fields["cache_salt"].string_value
-    return AddRequest(request.request_id, input_ids, sampling, time.time(), cache_salt=salt)
+    return AddRequest(request.request_id, input_ids, sampling, cache_salt=salt)
