@@ -19,6 +19,13 @@ def next_token(req):
     return 100 + (sum(req.token_ids) * 31 + len(req.token_ids)) % 1000
 
 
+def step(sched, batch, sampled):
+    """Launch and complete a step at once (no overlap): ``sampled`` has one token per
+    request that samples in it, in batch order."""
+    sched.advance(batch)
+    sched.complete(batch, sampled)
+
+
 def run(sched, max_steps=10_000):
     steps = []
     while sched.has_work() and len(steps) < max_steps:
@@ -27,7 +34,7 @@ def run(sched, max_steps=10_000):
             next_token(r) for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens
         ]
         steps.append((len(batch), batch.num_tokens))
-        sched.update(batch, sampled)
+        step(sched, batch, sampled)
     return steps
 
 
@@ -47,7 +54,7 @@ def test_requests_share_steps_and_finish():
 def test_decodes_come_first_in_a_mixed_step():
     sched, _ = make_scheduler()
     add(sched, "a", list(range(10, 20)))
-    sched.update(sched.schedule(), [5])  # a: prefill done, now decoding
+    step(sched, sched.schedule(), [5])  # a: prefill done, now decoding
     add(sched, "b", list(range(30, 40)))
     batch = sched.schedule()
     assert [r.request_id for r in batch.requests] == ["a", "b"] and batch.num_new_tokens == [1, 10]
@@ -87,12 +94,12 @@ def test_a_token_in_flight_is_awaited_before_preempting():
     a = add(sched, "a", [10, 11, 12, 13], max_new=4)
     b = add(sched, "b", [20, 21, 22], max_new=2)
     first = sched.schedule()
-    first_sampling = sched.advance(first)  # both prefills launched, their tokens in flight
+    sched.advance(first)  # both prefills launched, their tokens in flight
     second = sched.schedule()
     assert second.requests == [b]  # a's next token needs a third block: a waits, nobody is preempted
-    second_sampling = sched.advance(second)
-    sched.complete(first, first_sampling, [2, 50])  # a's token is the stop id
-    sched.complete(second, second_sampling, [51])
+    sched.advance(second)
+    sched.complete(first, [2, 50])  # a's token is the stop id
+    sched.complete(second, [51])
     assert a.finish_reason == "stop" and b.output_ids == [50, 51] and b.finish_reason == "length"
     assert sched.num_preemptions == 0 and not sched.has_work()
     assert pool.num_free_blocks == pool.num_blocks
@@ -112,7 +119,7 @@ def test_prefix_hit_reports_cached_tokens():
 def test_abort_frees_blocks_at_once():
     sched, pool = make_scheduler()
     add(sched, "a", list(range(10, 30)), max_new=100)
-    sched.update(sched.schedule(), [7])
+    step(sched, sched.schedule(), [7])
     assert pool.num_used_blocks > 0
     assert sched.abort("a")
     assert pool.num_used_blocks == 0
@@ -124,12 +131,12 @@ def test_stop_token_and_eos():
     sched, _ = make_scheduler()
     req = add(sched, "a", [5, 6, 7], max_new=50)
     batch = sched.schedule()
-    sched.update(batch, [2])  # EOS
+    step(sched, batch, [2])  # EOS
     assert req.finish_reason == "stop" and req.matched_token_id == 2
     req = add(sched, "b", [5, 6, 7], max_new=50, ignore_eos=True, stop_token_ids=[9])
-    sched.update(sched.schedule(), [2])
+    step(sched, sched.schedule(), [2])
     assert not req.is_finished
-    sched.update(sched.schedule(), [9])
+    step(sched, sched.schedule(), [9])
     assert req.finish_reason == "stop" and req.matched_token_id == 9
 
 
@@ -155,7 +162,7 @@ def test_queue_limit_counts_only_requests_beyond_the_free_running_slots():
         add(sched, "over", [5, 6, 7])
     assert e.value.code == "RESOURCE_EXHAUSTED" and "queue is full" in str(e.value) and "retry" in str(e.value)
     assert "over" not in sched.requests
-    sched.update(sched.schedule(), [9, 9])  # r0, r1 run; r2 still held: still full
+    step(sched, sched.schedule(), [9, 9])  # r0, r1 run; r2 still held: still full
     with pytest.raises(AdmissionError):
         add(sched, "over", [5, 6, 7])
     sched.release(held)

@@ -233,7 +233,7 @@ class Engine:
     def _complete(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Take a launched step's tokens, advance its requests, and make their outputs."""
         tokens = launched.result()
-        appended = self.scheduler.complete(launched.batch, launched.sampling, tokens, launched.logprobs)
+        appended = self.scheduler.complete(launched.batch, tokens, launched.logprobs)
         self.stats.num_generated_tokens += appended  # not the tokens of requests already done
         self._recent_tokens(launched.launched_at, appended)
         outputs = [self._output_of(req) for req in launched.batch.requests if not req.is_finished]

@@ -59,10 +59,9 @@ def warmup_batches(max_batch: int, num_kv_heads: int, num_sms: int) -> list[list
 class LaunchedStep:
     """A step whose sampled tokens may still be on their way from the device."""
 
-    def __init__(self, batch: ScheduledBatch, sampling: list, download: Download | None,
+    def __init__(self, batch: ScheduledBatch, download: Download | None,
                  logprobs: StepLogprobs | None = None, launched_at: float = 0.0):
         self.batch = batch
-        self.sampling = sampling  # the requests that sample, in batch order
         self.download = download
         self.logprobs = logprobs  # prompt and output logprob rows, recorded with the tokens
         self.launched_at = launched_at  # monotonic (the engine's throughput spans from it)
@@ -275,7 +274,7 @@ class ModelRunner:
         :meth:`LaunchedStep.result`. A request's pending last token (overlap schedule) is
         read from ``prev``'s sampled tokens on the device, never from the host."""
         launched_at = time.monotonic()
-        input_ids, query_lens, seq_lens, tables, sample_rows, sampling = [], [], [], [], [], []
+        input_ids, query_lens, seq_lens, tables, sample_rows = [], [], [], [], []
         patch_pos, patch_rows = [], []
         offset = 0
         for req, n, samples in zip(batch.requests, batch.num_new_tokens, batch.samples):
@@ -293,7 +292,6 @@ class ModelRunner:
             offset += n
             if samples:  # all its tokens computed after this step: its last row samples
                 sample_rows.append(offset - 1)
-                sampling.append(req)
         patch = self._patch(patch_pos, patch_rows, prev) if patch_pos else None
         if self.graphs is not None and offset == len(query_lens) and self.graphs.can_run(offset):
             hidden = self.graphs.run(input_ids, seq_lens, tables, patch)  # decode-only step
@@ -307,8 +305,9 @@ class ModelRunner:
                 meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
             hidden = self.model(ids, meta.positions, self.kv_caches, meta)
         # LM head on the sampling rows (and prompt-logprob rows), sampling, logprobs.
+        sampling = batch.sampling
         tokens, logprobs = self.sampler.run(batch.requests, batch.num_new_tokens, hidden, sample_rows, sampling)
-        return LaunchedStep(batch, sampling, self.download(tokens) if sampling else None, logprobs, launched_at)
+        return LaunchedStep(batch, self.download(tokens) if sampling else None, logprobs, launched_at)
 
     def _patch(self, positions: list[int], rows: list[int], prev: LaunchedStep):
         """``ids[positions] = prev's sampled tokens[rows]``, on the device's stream."""

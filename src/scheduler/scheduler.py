@@ -39,6 +39,12 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    @property
+    def sampling(self) -> list[Request]:
+        """The requests that sample, in batch order: request i owns row i of the step's
+        sampled tokens."""
+        return [r for r, s in zip(self.requests, self.samples) if s]
+
     def __len__(self) -> int:
         return len(self.requests)
 
@@ -233,11 +239,10 @@ class Scheduler:
             [r.num_computed_tokens + n == r.num_scheduled_tokens for r, n in scheduled],
         )
 
-    def advance(self, batch: ScheduledBatch) -> list[Request]:
-        """Right after a step is launched: count its tokens as computed. Returns the requests
-        that sample in it (those that reached the end of their known and pending tokens), in
-        batch order; each now has one more pending token, in that row of the step's output."""
-        sampling = []
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Right after a step is launched: count its tokens as computed. Each request that
+        samples in it has one more pending token, in its row of the step's sampled tokens."""
+        row = 0
         for req, n, samples in zip(batch.requests, batch.num_new_tokens, batch.samples):
             if req.input_logprobs is not None:  # (a per-request check on the hot path: cheap first)
                 span = req.input_logprob_span(n)
@@ -245,13 +250,11 @@ class Scheduler:
                     req.input_logprob_next = span.stop
             req.num_computed_tokens += n
             if samples:
-                req.pending_row = len(sampling)
+                req.pending_row = row
                 req.num_pending += 1
-                sampling.append(req)
-        return sampling
+                row += 1
 
-    def complete(self, batch: ScheduledBatch, sampling: list[Request], sampled: list[int],
-                 logprobs: StepLogprobs | None = None) -> int:
+    def complete(self, batch: ScheduledBatch, sampled: list[int], logprobs: StepLogprobs | None = None) -> int:
         """When a launched step's tokens reach the host: append them (one per sampling
         request, in order, with the logprobs of those that asked), index the newly full KV
         blocks and retire finished requests. Requests that finished meanwhile (aborted, or
@@ -262,7 +265,7 @@ class Scheduler:
                 req.input_logprobs.append(*row)
         logprob_rows = logprobs.output if logprobs is not None else None
         appended = 0
-        for j, (req, token) in enumerate(zip(sampling, sampled)):
+        for j, (req, token) in enumerate(zip(batch.sampling, sampled)):
             req.num_pending -= 1
             if req.is_finished:
                 continue
@@ -282,11 +285,6 @@ class Scheduler:
             if not req.is_finished:
                 self.kv.commit(req)
         return appended
-
-    def update(self, batch: ScheduledBatch, sampled: list[int]) -> None:
-        """Advance and complete a step at once (no overlap): ``sampled`` has one token per
-        request that reached the end of its known tokens this step, in batch order."""
-        self.complete(batch, self.advance(batch), sampled)
 
     def take_finished(self) -> list[Request]:
         done, self.finished = self.finished, []
