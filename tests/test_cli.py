@@ -12,7 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
+
+from scheduler.config import EngineConfig
 
 _SRC = Path(__file__).resolve().parent.parent / "src"
 _PARSE = """
@@ -45,6 +48,7 @@ def test_defaults_serve_the_embedded_model_on_localhost():
     assert engine["cuda_graph"] and engine["overlap_schedule"] is None and not engine["small_batch_gemv"]
     assert not engine["pdl"]
     assert engine["kernel_backend"] == "auto" and engine["enable_prefix_caching"]
+    assert engine == msgspec.to_builtins(EngineConfig())  # the flags' defaults are the config's
 
 
 def test_kernel_and_schedule_flags():
@@ -64,7 +68,8 @@ def test_kernel_and_schedule_flags():
      ["--kv-cache-tokens", "10", "--kv-cache-memory", "1GiB"], ["--overlap-schedule", "maybe"],
      ["--port", "70000"], ["--port", "-1"], ["--max-model-len", "0"], ["--num-threads", "0"],
      ["--kv-cache-tokens", "-100"], ["--dtype", "int8"], ["--max-logprobs", "-1"], ["--max-queued-requests", "-1"],
-     ["--watchdog-timeout", "-1"], ["--watchdog-timeout", "nan"]],
+     ["--watchdog-timeout", "-1"], ["--watchdog-timeout", "nan"], ["--grammar-compile-timeout", "0"],
+     ["--shutdown-grace-period", "-1"], ["--block-size", "x"]],
 )
 def test_bad_values_are_refused(argv):
     out = parse(argv)

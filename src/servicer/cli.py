@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
+import math
 import sys
 
 from scheduler.config import EngineConfig, parse_memory_size
@@ -14,57 +16,88 @@ from .server import ServerConfig, serve
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except the empty ones whose meaning the help text already gives."""
+    """Shows defaults, except those of on/off flags and the empty ones whose meaning the
+    help text already gives."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False):
+        if action.default is None or action.nargs == 0:
             return action.help
         return super()._get_help_string(action)
 
 
+def _number(kind, low: float, high: float = math.inf, what: str = ""):
+    """An argparse type: a ``kind`` number in [low, high] (NaN refused)."""
+
+    def parse(text: str):
+        value = kind(text)  # a ValueError reads "invalid int value: 'x'"
+        if not low <= value <= high:
+            bound = f"in {low}..{high}" if high < math.inf else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"must be {what or bound}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _memory_size(text: str) -> str:
+    try:
+        parse_memory_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+_COUNT = _number(int, 1)
+_ENGINE = EngineConfig()
+_SERVER = ServerConfig()
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """Each flag's dest is its EngineConfig / ServerConfig field, and its default that
+    field's default."""
+    e, srv = _ENGINE, _SERVER
     p = argparse.ArgumentParser(
         prog="python -m servicer",
         description="LLM inference daemon: serves a model over gRPC (the SGLang scheduler protocol "
         "of the smg router, grpc.health.v1 and reflection) with its own continuous-batching engine.",
         formatter_class=_HelpFormatter,
     )
-    p.add_argument("--model", default="smollm2",
+    p.add_argument("--model", default=e.model,
                    help="model to serve: 'smollm2' (the bundled SmolLM2-135M-Instruct GGUF), a .gguf file, "
                    "or a Hugging Face model directory (config.json + safetensors)")
-    p.add_argument("--served-model-name", default=None,
+    p.add_argument("--served-model-name", default=e.served_model_name,
                    help="model id the router shows to clients (default: the --model value as given)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind the gRPC server to")
-    p.add_argument("--port", type=int, default=30000, help="gRPC port")
-    p.add_argument("--device", default="auto",
+    p.add_argument("--host", default=srv.host, help="address to bind the gRPC server to")
+    p.add_argument("--port", type=_number(int, 0, 65535), default=srv.port, help="gRPC port")
+    p.add_argument("--device", default=e.device,
                    help="where the model runs: auto (CUDA, then NPU, else CPU), cpu, cuda, cuda:N, npu, npu:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default=e.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight and KV dtype: auto (float32 on CPU, bfloat16 on accelerators), "
                    "float32, bfloat16 or float16; bfloat16 also suits CPUs with bf16 instructions "
                    "(AVX512-BF16, AMX), where it runs ~1.9x faster than float32")
-    p.add_argument("--max-running-requests", type=int, default=64,
+    p.add_argument("--max-running-requests", type=_COUNT, default=e.max_running_requests,
                    help="most requests decoded together in one step; more wait in the queue")
-    p.add_argument("--max-queued-requests", type=int, default=None,
+    p.add_argument("--max-queued-requests", type=_number(int, 0), default=e.max_queued_requests,
                    help="most requests waiting beyond the free running slots; more are refused with "
                    "RESOURCE_EXHAUSTED, which the router retries (default: no limit)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+    p.add_argument("--max-num-batched-tokens", type=_COUNT, default=e.max_num_batched_tokens,
                    help="token budget of one step (decodes + prefill chunks); longer prompts are chunked "
                    "(default: 512 on CPU, 8192 on accelerators)")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=_COUNT, default=e.max_model_len,
                    help="context limit in tokens (default: the model's own)")
     kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-tokens", type=int, default=None,
+    kv.add_argument("--kv-cache-tokens", type=_COUNT, default=e.kv_cache_tokens,
                     help="KV cache capacity in tokens (default: from --kv-cache-memory)")
-    kv.add_argument("--kv-cache-memory", default=None,
+    kv.add_argument("--kv-cache-memory", type=_memory_size, default=e.kv_cache_memory,
                     help="KV cache size as memory, e.g. 2GiB (default: 2GiB on CPU, "
                     "85%% of free memory after weights on GPUs)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--disable-prefix-caching", action="store_true",
+    p.add_argument("--block-size", type=_COUNT, default=e.block_size, help="tokens per KV block")
+    p.add_argument("--disable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not share KV blocks between requests with a common prompt prefix")
-    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"],
+    p.add_argument("--kernel-backend", default=e.kernel_backend, choices=["auto", "torch", "triton"],
                    help="attention/norm/rope kernels: auto (Triton on CUDA GPUs, torch elsewhere), "
                    "torch (reference path) or triton")
-    p.add_argument("--disable-cuda-graph", action="store_true",
+    p.add_argument("--disable-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--small-batch-gemv", action="store_true",
                    help="experimental (Triton backend): steps of at most 16 tokens run fused Triton projections "
@@ -77,72 +110,31 @@ def build_parser() -> argparse.ArgumentParser:
                    "bookkeeping behind the device's work: auto = on for accelerators, off on CPU")
     p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_const", const="off",
                    help="same as --overlap-schedule off (SGLang's spelling)")
-    p.add_argument("--max-logprobs", type=int, default=20,
+    p.add_argument("--max-logprobs", type=_number(int, 0), default=e.max_logprobs,
                    help="most logprobs per token a request may ask for (top_logprobs_num, token_ids_logprob)")
-    p.add_argument("--grammar-compile-timeout", type=float, default=30.0,
+    p.add_argument("--grammar-compile-timeout", dest="grammar_compile_timeout_s", default=e.grammar_compile_timeout_s,
+                   type=_number(float, math.ulp(0.0), what="a positive number of seconds"), metavar="SECONDS",
                    help="seconds a structured-output grammar (regex, JSON schema, EBNF) may take to compile "
                         "before its request is refused")
-    p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampler's default generator")
-    p.add_argument("--shutdown-grace-period", type=float, default=30.0,
-                   help="seconds SIGTERM waits for in-flight requests before aborting them")
-    p.add_argument("--watchdog-timeout", type=float, default=300.0,
+    p.add_argument("--num-threads", type=_COUNT, default=e.num_threads,
+                   help="CPU threads for torch (default: all cores)")
+    p.add_argument("--seed", type=int, default=e.seed, help="seed of the sampler's default generator")
+    p.add_argument("--shutdown-grace-period", dest="shutdown_grace_s", type=_number(float, 0.0), metavar="SECONDS",
+                   default=srv.shutdown_grace_s, help="seconds SIGTERM waits for in-flight requests before aborting them")
+    p.add_argument("--watchdog-timeout", dest="watchdog_timeout_s", default=srv.watchdog_timeout_s,
+                   type=_number(float, 0.0, what="0 (off) or a positive number of seconds"), metavar="SECONDS",
                    help="seconds the scheduler may go without progress (one step, or no heartbeat) before it is "
                         "killed and the daemon exits 1 for its supervisor to restart it; 0 disables")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+    p.add_argument("--log-level", default=srv.log_level, choices=["debug", "info", "warning", "error"],
                    help="logging verbosity of the daemon and its scheduler process")
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.kv_cache_memory is not None:
-        try:
-            parse_memory_size(args.kv_cache_memory)
-        except ValueError as e:
-            parser.error(str(e))
-    if args.max_logprobs < 0:
-        parser.error("--max-logprobs must be at least 0")
-    if not args.grammar_compile_timeout > 0:
-        parser.error("--grammar-compile-timeout must be a positive number of seconds")
-    if not args.watchdog_timeout >= 0:  # (NaN too)
-        parser.error("--watchdog-timeout must be 0 (off) or a positive number of seconds")
-    if not 0 <= args.port <= 65535:
-        parser.error(f"--port must be in 0..65535, got {args.port}")
-    if args.max_queued_requests is not None and args.max_queued_requests < 0:
-        parser.error("--max-queued-requests must be at least 0")
-    for name in ("max_running_requests", "max_num_batched_tokens", "block_size", "max_model_len", "kv_cache_tokens",
-                 "num_threads"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    engine = EngineConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        kv_cache_tokens=args.kv_cache_tokens,
-        kv_cache_memory=args.kv_cache_memory,
-        max_running_requests=args.max_running_requests,
-        max_queued_requests=args.max_queued_requests,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.disable_prefix_caching,
-        num_threads=args.num_threads,
-        kernel_backend=args.kernel_backend,
-        cuda_graph=not args.disable_cuda_graph,
-        small_batch_gemv=args.small_batch_gemv,
-        pdl=args.pdl,
-        overlap_schedule={"auto": None, "on": True, "off": False}[args.overlap_schedule],
-        seed=args.seed,
-        max_logprobs=args.max_logprobs,
-        grammar_compile_timeout_s=args.grammar_compile_timeout,
-        served_model_name=args.served_model_name,
-    )
-    server = ServerConfig(
-        host=args.host, port=args.port, log_level=args.log_level, shutdown_grace_s=args.shutdown_grace_period,
-        watchdog_timeout_s=args.watchdog_timeout,
-    )
+    args = vars(build_parser().parse_args(argv))
+    args["overlap_schedule"] = {"auto": None, "on": True, "off": False}[args["overlap_schedule"]]
+    engine = EngineConfig(**{f: args[f] for f in EngineConfig.__struct_fields__ if f in args})
+    server = ServerConfig(**{f.name: args[f.name] for f in dataclasses.fields(ServerConfig) if f.name in args})
     return engine, server
 
 
