@@ -119,11 +119,11 @@ def test_waiting_uncached_tokens_leave_out_prefix_hits_and_count_held_requests(l
     tokens minus its prefix-cache hit, plus every token of one held for its grammar."""
     import threading
 
-    from scheduler import engine as engine_mod
+    from scheduler import grammar_compiles
     from scheduler.messages import AddRequest
 
     gate = threading.Event()
-    monkeypatch.setattr(engine_mod, "_compile_grammar", lambda *args: gate.wait(60))
+    monkeypatch.setattr(grammar_compiles, "_compile_grammar", lambda *args: gate.wait(60))
     engine = make_engine(loaded, max_running_requests=1)
     shared, other, fresh = prompts(3, seed=11)
     shared = (shared * 3)[:64]  # four full 16-token blocks
@@ -151,20 +151,20 @@ def _engine_with_a_stuck_grammar(loaded, monkeypatch, timeout_s: float):
     ``good`` with the real compiler at once (the vocabulary tables are already built)."""
     import threading
 
-    from scheduler import engine as engine_mod
+    from scheduler import grammar_compiles
 
     engine = make_engine(loaded, grammar_compile_timeout_s=timeout_s)
     good = SamplingParams(temperature=0.0, max_new_tokens=8, constraint_kind="regex", constraint="(yes|no)!")
     engine.generate([prompts(1, seed=5)[0]], good)  # builds the vocabulary tables: later compiles take ms
     gate = threading.Event()
-    real = engine_mod._compile_grammar
+    real = grammar_compiles._compile_grammar
 
     def stuck_on_purpose(*args):
         if args[4] == "(stuck)!":
             gate.wait(60)
         return real(*args)
 
-    monkeypatch.setattr(engine_mod, "_compile_grammar", stuck_on_purpose)
+    monkeypatch.setattr(grammar_compiles, "_compile_grammar", stuck_on_purpose)
     stuck = SamplingParams(temperature=0.0, max_new_tokens=8, constraint_kind="regex", constraint="(stuck)!")
     return engine, gate, good, stuck
 
@@ -175,7 +175,7 @@ def test_a_grammar_compiling_past_its_time_limit_is_refused_and_delays_no_other(
     queued behind them is restarted on fresh threads and served."""
     import time
 
-    from scheduler import engine as engine_mod
+    from scheduler import grammar_compiles
     from scheduler.messages import AddRequest
 
     # (5 s: a cached compile took 1.3 s under load)
@@ -202,13 +202,13 @@ def test_a_grammar_compiling_past_its_time_limit_is_refused_and_delays_no_other(
         assert_no_leak(engine)
 
         # Both abandoned compiles still run (and hold a core each): new grammars are refused...
-        assert len(engine.abandoned_compiles) == 2
-        with pytest.raises(engine_mod.AdmissionError) as ei:
+        assert len(engine.grammars.abandoned) == 2
+        with pytest.raises(AdmissionError) as ei:
             engine.add_request(AddRequest("refused", prompts(1, seed=7)[0], good))
         assert ei.value.code == "RESOURCE_EXHAUSTED", ei.value
         # ... until they end
         gate.set()
-        while engine.abandoned_compiles:
+        while engine.grammars.abandoned:
             assert time.monotonic() < deadline, "the abandoned compiles never ended"
             time.sleep(0.05)
         assert engine.generate([prompts(1, seed=7)[0]], good)[0].finish_reason == "stop"
@@ -223,7 +223,7 @@ def test_a_cancelled_request_compiling_its_grammar_holds_no_thread(loaded, monke
     constraints are refused."""
     import time
 
-    from scheduler import engine as engine_mod
+    from scheduler import grammar_compiles
     from scheduler.messages import AddRequest
 
     engine, gate, good, stuck = _engine_with_a_stuck_grammar(loaded, monkeypatch, timeout_s=30.0)
@@ -231,26 +231,26 @@ def test_a_cancelled_request_compiling_its_grammar_holds_no_thread(loaded, monke
         for rid in ("stuck-1", "stuck-2"):
             engine.add_request(AddRequest(rid, prompts(1, seed=6)[0], stuck))
         deadline = time.monotonic() + 30
-        while not all(job.future.running() for job in engine.compiling.values()):
+        while not all(job.future.running() for job in engine.grammars.jobs.values()):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert engine.abort("stuck-1") and engine.abort("stuck-2")
         assert [o.finish_reason for o in engine.finished_outputs()] == ["abort", "abort"]
-        assert len(engine.abandoned_compiles) == 2
-        with pytest.raises(engine_mod.AdmissionError) as ei:
+        assert len(engine.grammars.abandoned) == 2
+        with pytest.raises(AdmissionError) as ei:
             engine.add_request(AddRequest("refused", prompts(1, seed=7)[0], good))
         assert ei.value.code == "RESOURCE_EXHAUSTED" and "cancelled requests" in str(ei.value)
         gate.set()
-        while engine.abandoned_compiles:
+        while engine.grammars.abandoned:
             assert time.monotonic() < deadline, "the abandoned compiles never ended"
             time.sleep(0.05)
         # A compile that already finished (not yet taken by a step) is no abandoned one
         engine.add_request(AddRequest("compiled", prompts(1, seed=8)[0], good))
-        job = engine.compiling["compiled"]
+        job = engine.grammars.jobs["compiled"]
         while not job.future.done():
             time.sleep(0.01)
-        threads = engine._grammar_threads
-        assert engine.abort("compiled") and engine._grammar_threads is threads and not engine.abandoned_compiles
+        threads = engine.grammars._threads
+        assert engine.abort("compiled") and engine.grammars._threads is threads and not engine.grammars.abandoned
         engine.finished_outputs()
         gate.clear()  # stuck again: a new grammar must not wait behind anything
         engine.add_request(AddRequest("stuck-3", prompts(1, seed=6)[0], stuck))
@@ -269,17 +269,17 @@ def test_a_compiling_grammar_holds_only_its_own_request(loaded, reference, monke
     compiles leaves nothing behind."""
     import threading
 
-    from scheduler import engine as engine_mod
+    from scheduler import grammar_compiles
     from scheduler.messages import AddRequest
 
     gate = threading.Event()
-    real = engine_mod._compile_grammar
+    real = grammar_compiles._compile_grammar
 
     def gated(*args):  # the real compiler, held until the gate opens
         gate.wait(60)
         return real(*args)
 
-    monkeypatch.setattr(engine_mod, "_compile_grammar", gated)
+    monkeypatch.setattr(grammar_compiles, "_compile_grammar", gated)
     engine = make_engine(loaded)
     regex = SamplingParams(temperature=0.0, max_new_tokens=8, constraint_kind="regex", constraint="(yes|no)!")
     bad = SamplingParams(temperature=0.0, max_new_tokens=8, constraint_kind="regex", constraint="(")

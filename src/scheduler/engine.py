@@ -7,11 +7,11 @@ import itertools
 import logging
 import time
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
 from .config import EngineConfig
+from .grammar_compiles import GrammarCompiles
 from .kv_manager import KVCacheManager
 from .messages import AddRequest, LoadSnapshot, RequestOutput, SamplingParams, StepOutput
 from .model_runner import LaunchedStep, ModelRunner
@@ -33,34 +33,8 @@ class EngineStats:
     recent_tokens: deque = field(default_factory=deque)  # (launched, done, tokens sampled) of recent steps
     recent_tokens_sum: int = 0  # kept with the deque: summing it every step costs O(steps/s)
 
+
 THROUGHPUT_WINDOW_S = 5.0
-GRAMMAR_WAIT_S = 0.005  # an engine with nothing but compiling grammars waits this long per step
-# Abandoned compiles (past the time limit, or of cancelled requests) cannot be stopped and
-# keep a core busy: past this many still running, structured output is refused until some end.
-MAX_ABANDONED_COMPILES = 2
-
-
-def _compile_grammar(model_path: str, vocab_size: int, eos_ids: list[int], kind: str, spec: str):
-    """On a worker thread (xgrammar compiles without the GIL): the request's matcher."""
-    from .grammar import GrammarBackend, GrammarError
-
-    try:
-        return GrammarBackend.get(model_path, vocab_size, eos_ids).matcher(kind, spec)
-    except GrammarError as e:
-        raise AdmissionError("INVALID_ARGUMENT", str(e)) from e
-    except Exception as e:  # noqa: BLE001  (no xgrammar / tokenizer)
-        raise AdmissionError("FAILED_PRECONDITION", f"structured output is unavailable: {e}") from e
-
-
-@dataclass
-class _GrammarCompile:
-    """A held request's grammar, compiling on a worker thread."""
-
-    request: Request
-    kind: str  # json_schema | regex | ebnf_grammar | structural_tag
-    spec: str
-    future: Future
-    started: float | None = None  # monotonic time it was first seen compiling (not queued)
 
 
 @dataclass
@@ -97,11 +71,8 @@ class Engine:
         self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.runner.device.type != "cpu"
         self.inflight: LaunchedStep | None = None  # launched, tokens not yet taken
         self._offline_ids = itertools.count()  # generate()'s request ids
-        # Requests held while their grammar compiles: that can take seconds (the first one
-        # also builds the vocabulary's tables), so it runs beside the step loop, not in it.
-        self.compiling: dict[str, _GrammarCompile] = {}
-        self._grammar_threads: ThreadPoolExecutor | None = None
-        self.abandoned_compiles: set[Future] = set()  # abandoned and still running (each removes itself)
+        self.grammars = GrammarCompiles(self.runner.model_path, mc.vocab_size, sorted(eos),
+                                        config.grammar_compile_timeout_s)  # for requests held meanwhile
         logger.info("overlap schedule: %s", "on" if self.overlap else "off")
         self.load = LoadSnapshot(max_total_num_tokens=self.kv.capacity_tokens)
 
@@ -119,82 +90,30 @@ class Engine:
                 raise AdmissionError("FAILED_PRECONDITION", f"stop strings need the tokenizer: {e}") from e
             checker = StopStringChecker(tokenizer, msg.sampling.stop, msg.input_ids, trim=not msg.sampling.no_stop_trim)
         sp = msg.sampling
-        if sp.constraint_kind and len(self.abandoned_compiles) >= MAX_ABANDONED_COMPILES:
-            raise AdmissionError("RESOURCE_EXHAUSTED", f"{len(self.abandoned_compiles)} abandoned grammar compiles "
-                                 "(past --grammar-compile-timeout, or of cancelled requests) still run; structured "
-                                 "output is refused until they end")
+        if sp.constraint_kind:
+            self.grammars.check_room()
         req = self.scheduler.add_request(msg, hold=bool(sp.constraint_kind))
         req.stop_checker = checker
         if sp.constraint_kind:
-            future = self._submit_compile(sp.constraint_kind, sp.constraint)
-            self.compiling[req.request_id] = _GrammarCompile(req, sp.constraint_kind, sp.constraint, future)
+            self.grammars.submit(req, sp.constraint_kind, sp.constraint)
         self.stats.num_prompt_tokens += req.num_prompt_tokens
         return req
 
-    def _submit_compile(self, kind: str, spec: str) -> Future:
-        if self._grammar_threads is None:
-            self._grammar_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
-        eos = sorted(self.scheduler.eos_token_ids)
-        return self._grammar_threads.submit(
-            _compile_grammar, self.runner.model_path, self.runner.model_config.vocab_size, eos, kind, spec
-        )
-
     def _admit_compiled(self) -> None:
-        """Queue the held requests whose grammar is ready; refuse those it failed for, or
-        that compiled for longer than ``grammar_compile_timeout_s``."""
-        if not self.scheduler.has_work() and self.inflight is None:
-            wait([job.future for job in self.compiling.values()], timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
-        now, limit = time.monotonic(), self.config.grammar_compile_timeout_s
-        timed_out = False
-        for rid, job in list(self.compiling.items()):
-            if job.future.done():
-                del self.compiling[rid]
-                try:
-                    job.request.grammar = job.future.result()
-                except AdmissionError as e:
-                    self.scheduler.reject(job.request, e.code, str(e))
-                else:
-                    self.scheduler.release(job.request)
-            elif job.started is None:
-                if job.future.running():  # the limit counts from here, not from the queue
-                    job.started = now
-            elif now - job.started > limit:
-                del self.compiling[rid]
-                self.scheduler.reject(job.request, "INVALID_ARGUMENT", f"the {job.kind} constraint did not "
-                                      f"compile within {limit:g} s (--grammar-compile-timeout); simplify it")
-                self._disown(job.future)
-                timed_out = True
-        if timed_out:
-            self._abandon_grammar_threads("a grammar compile overran its time limit")
-
-    def _disown(self, future: Future) -> None:
-        """A compile nobody waits for any more, still running: counted until it ends."""
-        self.abandoned_compiles.add(future)
-        future.add_done_callback(self.abandoned_compiles.discard)  # (on its thread: set ops are atomic)
-
-    def _abandon_grammar_threads(self, why: str) -> None:
-        """Compiles cannot be interrupted: leave the disowned ones to finish unheeded on
-        the old threads, and restart the compiles queued behind them on new ones, so one
-        pathological grammar delays the others by at most the timeout."""
-        old, self._grammar_threads = self._grammar_threads, None
-        if old is not None:
-            old.shutdown(wait=False)
-        logger.warning("%s; its thread is left to finish unheeded", why)
-        for job in self.compiling.values():
-            if job.future.cancel():  # not started yet
-                job.future, job.started = self._submit_compile(job.kind, job.spec), None
+        """Queue the held requests whose grammar is ready; refuse those it failed for."""
+        done = self.grammars.poll(wait_briefly=not self.scheduler.has_work() and self.inflight is None)
+        for req, matcher in done.ready:
+            req.grammar = matcher
+            self.scheduler.release(req)
+        for req, code, message in done.refused:
+            self.scheduler.reject(req, code, message)
 
     def abort(self, request_id: str) -> bool:
-        job = self.compiling.pop(request_id, None)
-        if job is not None and not job.future.done() and not job.future.cancel():
-            # Already compiling: it would keep a grammar thread as long as it runs, outside
-            # the time limit (that counts for held requests only) and the overrun cap.
-            self._disown(job.future)
-            self._abandon_grammar_threads("a cancelled request's grammar was still compiling")
+        self.grammars.cancel(request_id)
         return self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self.inflight is not None or bool(self.compiling)
+        return self.scheduler.has_work() or self.inflight is not None or bool(self.grammars)
 
     # -- stepping ----------------------------------------------------------------------
     def step(self) -> StepOutput:
@@ -202,7 +121,7 @@ class Engine:
         tokens are taken (and its outputs made) only after this one is launched, so the
         host's bookkeeping runs while the device computes; a step whose requests need
         their tokens on the host first (grammar, penalties, logprobs) waits for them."""
-        if self.compiling:
+        if self.grammars:
             self._admit_compiled()
         batch = self.scheduler.schedule()
         if not len(batch) and self.inflight is None:  # nothing runs (grammars compiling)

@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("stopping before the profile trace %s was written", writing.path)
         writing.discard()
     logger.info("scheduler stopped")
-    if engine.abandoned_compiles:  # Python would join their threads at exit, for as long as they run
+    if engine.grammars.abandoned:  # Python would join their threads at exit, for as long as they run
         outbox.close(linger=1000)
         logging.shutdown()
         os._exit(0)
