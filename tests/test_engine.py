@@ -2,13 +2,13 @@
 preemption must not change greedy tokens, and every KV block comes back."""
 
 import random
-from types import SimpleNamespace
 
 import pytest
 
 from scheduler.config import EngineConfig
 from scheduler.engine import AdmissionError, Engine
 from scheduler.messages import SamplingParams
+from scheduler.metrics import ThroughputWindow
 from scheduler.model_runner import ModelRunner, load_model
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
@@ -89,29 +89,29 @@ def test_generate_refusing_one_prompt_queues_none(loaded, reference):
     assert_no_leak(engine)
 
 
-def test_generation_throughput_over_a_sliding_window(loaded, monkeypatch):
-    engine = make_engine(loaded)
-    clock = [1000.0]
-    monkeypatch.setattr("scheduler.engine.time", SimpleNamespace(monotonic=lambda: clock[0]))  # this module's clock only
+def test_generation_throughput_over_a_sliding_window():
+    window = ThroughputWindow(window_s=5.0)
 
-    def steps(*entries):  # (launched, done, tokens)
+    def steps(*entries, now=None):  # (launched, done, tokens)
         for launched, done, n in entries:
-            clock[0] = 1000.0 + done
-            engine._recent_tokens(1000.0 + launched, n)
-            engine.refresh_load()
-        return engine.load.gen_throughput
+            window.add(launched, done, n)
+        return window.rate(now if now is not None else entries[-1][1])
 
     # the 5 s window drops the step done at t=1; the rate runs from the first kept launch
     assert steps((0, 1, 10), (1, 2, 20), (2, 3, 30), (6, 6.5, 40)) == pytest.approx((20 + 30 + 40) / 5.5)
-    assert engine.stats.recent_tokens_sum == 90 == sum(n for *_, n in engine.stats.recent_tokens)
-    clock[0] = 1000.0 + 12.0  # idle since: nothing is left in the window
-    engine.refresh_load()
-    assert engine.load.gen_throughput == 0.0 and engine.stats.recent_tokens_sum == 0
+    assert window.num_tokens == 90
+    assert window.rate(12.0) == 0.0 and window.num_tokens == 0  # idle since: the window is empty
     # steps longer than the window (a busy CPU) still give a rate, not 0
     assert steps((20, 26, 12)) == pytest.approx(12 / 6) and steps((26, 32, 24)) == pytest.approx(24 / 6)
     # after a short idle gap the old steps age out by their end: the gap is not averaged in
     steps(*[(t, t + 1, 100) for t in range(40, 45)])
     assert steps((49, 50, 100), (50, 51, 100)) == pytest.approx(100.0)
+
+
+def test_the_load_reports_the_engines_throughput(loaded):
+    engine = make_engine(loaded)
+    engine.generate(prompts(2), GREEDY)
+    assert engine.load.gen_throughput > 0 and 0 < engine.throughput.num_tokens <= 2 * GREEDY.max_new_tokens
 
 
 def test_waiting_uncached_tokens_leave_out_prefix_hits_and_count_held_requests(loaded, monkeypatch):

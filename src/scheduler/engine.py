@@ -6,35 +6,20 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .grammar_compiles import GrammarCompiles
 from .kv_manager import KVCacheManager
 from .messages import AddRequest, LoadSnapshot, RequestOutput, SamplingParams, StepOutput
+from .metrics import EngineStats, ThroughputWindow
 from .model_runner import LaunchedStep, ModelRunner
 from .request import Request
 from .sampling_batch import BatchSampler
 from .scheduler import AdmissionError, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    max_batch_size: int = 0
-    max_step_tokens: int = 0
-    num_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    batch_size_histogram: dict[int, int] = field(default_factory=dict)
-    recent_tokens: deque = field(default_factory=deque)  # (launched, done, tokens sampled) of recent steps
-    recent_tokens_sum: int = 0  # kept with the deque: summing it every step costs O(steps/s)
-
-
-THROUGHPUT_WINDOW_S = 5.0
 
 
 @dataclass
@@ -66,6 +51,7 @@ class Engine:
             eos,
         )
         self.stats = EngineStats()
+        self.throughput = ThroughputWindow()
         # Overlap schedule: on accelerators unless disabled (a CPU computes on the cores
         # that would do the bookkeeping: nothing to overlap, and outputs would lag a step).
         self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.runner.device.type != "cpu"
@@ -145,7 +131,8 @@ class Engine:
                 self.inflight = launched
             else:
                 outputs += self._complete(launched)
-        self._record(batch)
+        self.stats.record_step(len(batch), batch.num_tokens)
+        self.refresh_load()
         outputs += self.finished_outputs()
         return StepOutput(outputs=outputs, batch_size=len(batch), load=self.load)
 
@@ -154,7 +141,7 @@ class Engine:
         tokens = launched.result()
         appended = self.scheduler.complete(launched.batch, tokens, launched.logprobs)
         self.stats.num_generated_tokens += appended  # not the tokens of requests already done
-        self._recent_tokens(launched.launched_at, appended)
+        self.throughput.add(launched.launched_at, time.monotonic(), appended)
         outputs = [self._output_of(req) for req in launched.batch.requests if not req.is_finished]
         return [o for o in outputs if o is not None]
 
@@ -189,32 +176,9 @@ class Engine:
                 out.input_logprobs = req.input_logprobs.rows(0, len(req.input_logprobs.values))
         return out
 
-    def _record(self, batch) -> None:
-        s = self.stats
-        s.steps += 1
-        n = len(batch)
-        s.max_batch_size = max(s.max_batch_size, n)
-        s.max_step_tokens = max(s.max_step_tokens, batch.num_tokens)
-        s.batch_size_histogram[n] = s.batch_size_histogram.get(n, 0) + 1
-        self.refresh_load()
-
-    def _recent_tokens(self, launched_at: float, num_sampled: int) -> None:
-        """Count a step's tokens in the throughput window (refresh_load, which every step
-        ends with, drops the old ones)."""
-        s = self.stats
-        s.recent_tokens.append((launched_at, time.monotonic(), num_sampled))
-        s.recent_tokens_sum += num_sampled
-
     def refresh_load(self) -> None:
         """Publish a new load snapshot (replaced whole, so other threads read it safely)."""
         s, sched = self.stats, self.scheduler
-        window = s.recent_tokens
-        horizon = time.monotonic() - THROUGHPUT_WINDOW_S
-        while window and window[0][1] < horizon:  # done before the window (idle: the rate falls to 0)
-            s.recent_tokens_sum -= window.popleft()[2]
-        # over the time the steps in the window ran, from the first one's launch: a step
-        # longer than the window still gives a rate, and no idle time before it counts
-        span = (window[-1][1] - window[0][0]) if window else 0.0
         self.load = LoadSnapshot(
             version=self.load.version + 1,
             step=s.steps,
@@ -223,7 +187,7 @@ class Engine:
             num_waiting_uncached_tokens=sched.num_waiting_uncached_tokens(),
             num_used_tokens=self.pool.num_used_blocks * self.pool.block_size,
             max_total_num_tokens=self.kv.capacity_tokens,
-            gen_throughput=s.recent_tokens_sum / span if span > 0 else 0.0,
+            gen_throughput=self.throughput.rate(time.monotonic()),
             cache_hit_rate=sched.num_cached_prompt_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0,
         )
 

@@ -124,6 +124,10 @@ class LoadSnapshot(msgspec.Struct):
     gen_throughput: float = 0.0  # output tokens/s over the last few seconds
     cache_hit_rate: float = 0.0  # cached / all prompt tokens admitted so far
 
+    @property
+    def token_usage(self) -> float:
+        """The share of the KV cache's tokens in use."""
+        return self.num_used_tokens / self.max_total_num_tokens if self.max_total_num_tokens else 0.0
 
 class StepOutput(msgspec.Struct, tag=True):
     outputs: list[RequestOutput]

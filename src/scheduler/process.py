@@ -154,7 +154,7 @@ class SchedulerLoop:
         logger.info(
             "running %d, waiting %d, KV %d/%d tokens (%.0f%%), generating %.1f tok/s, prefix-cache hits %.0f%%",
             load.num_running, load.num_waiting, load.num_used_tokens, load.max_total_num_tokens,
-            100 * load.num_used_tokens / max(load.max_total_num_tokens, 1), load.gen_throughput,
+            100 * load.token_usage, load.gen_throughput,
             100 * load.cache_hit_rate,
         )
 

@@ -120,7 +120,7 @@ class _LoadRecords:
             running_requests=s.num_running,
             waiting_requests=s.num_waiting,
             waiting_uncached_tokens=min(s.num_waiting_uncached_tokens, UINT32_MAX),
-            token_usage=s.num_used_tokens / total if total else 0.0,
+            token_usage=s.token_usage,
             gen_throughput=s.gen_throughput,
             max_running_requests=info.get("max_running_requests", 0),
             age_ms=min(max(int(age_s * 1000), 0), UINT32_MAX),

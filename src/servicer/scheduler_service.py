@@ -214,7 +214,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             num_total_reqs=s.num_running + s.num_waiting,
             num_used_tokens=s.num_used_tokens,
             max_total_num_tokens=total,
-            token_usage=s.num_used_tokens / total if total else 0.0,
+            token_usage=s.token_usage,
             gen_throughput=s.gen_throughput,
             cache_hit_rate=s.cache_hit_rate,
             utilization=s.num_running / max_running if max_running else 0.0,
