@@ -2,9 +2,9 @@
 
 import pytest
 
-from scheduler.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, NULL_BLOCK, hash_block
+from scheduler.block_pool import NULL_BLOCK, BlockPool, hash_block
 from scheduler.kv_manager import KVCacheManager
-from scheduler.messages import SamplingParams
+from scheduler.messages import KvCleared, KvRemoved, KvStored, SamplingParams
 from scheduler.request import Request
 
 
@@ -56,7 +56,7 @@ def test_prefix_hit_shares_blocks_and_leaves_last_token_to_compute():
     assert kv.allocate(first, 12)
     first.num_computed_tokens = 12
     kv.commit(first)
-    stored = [e for e in pool.take_events() if isinstance(e, BlockStored)]
+    stored = [e for e in pool.take_events() if isinstance(e, KvStored)]
     assert len(stored) == 3 and stored[1].parent_hash == stored[0].block_hash
     assert all(len(e.token_ids) == 4 for e in stored)
 
@@ -86,7 +86,7 @@ def test_reusing_a_cached_block_emits_removed():
     pool.take_events()
     pool.allocate(2)  # the pool is full of cached blocks: both get evicted
     events = pool.take_events()
-    assert [type(e) for e in events] == [BlockRemoved, BlockRemoved]
+    assert [type(e) for e in events] == [KvRemoved] and len(events[0].block_hashes) == 2  # merged
     assert not pool.cached
 
 
@@ -96,7 +96,7 @@ def test_reset_prefix_cache_refused_while_in_use():
     assert not pool.reset_prefix_cache()
     pool.free(ids)
     assert pool.reset_prefix_cache()
-    assert isinstance(pool.take_events()[-1], AllBlocksCleared)
+    assert isinstance(pool.take_events()[-1], KvCleared)
 
 
 def test_prefix_caching_disabled_never_hits():

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import numpy as np
+
+from .messages import KvCleared, KvEvent, KvRemoved, KvStored
 
 NULL_BLOCK = 0
 
@@ -31,23 +32,6 @@ def hash_block(parent: bytes | None, token_ids, extra: bytes = b"") -> bytes:
 def public_hash(digest: bytes) -> int:
     """The int64 identity published in KV events: first 8 digest bytes, big-endian, signed."""
     return int.from_bytes(digest[:8], "big", signed=True)
-
-
-@dataclass
-class BlockStored:
-    block_hash: int
-    parent_hash: int | None
-    token_ids: list[int]
-
-
-@dataclass
-class BlockRemoved:
-    block_hash: int
-
-
-@dataclass
-class AllBlocksCleared:
-    pass
 
 
 class Block:
@@ -68,7 +52,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self.cached: dict[bytes, int] = {}  # digest -> block id
-        self.events: list = []
+        self.events: list[KvEvent] = []  # prefix-cache changes since the last take_events
 
     # -- capacity --------------------------------------------------------------------
     @property
@@ -134,7 +118,7 @@ class BlockPool:
         block.digest = digest
         self.cached[digest] = block_id
         self.events.append(
-            BlockStored(public_hash(digest), public_hash(parent) if parent else None, list(token_ids))
+            KvStored(public_hash(digest), public_hash(parent) if parent else None, list(token_ids), self.block_size)
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -144,10 +128,10 @@ class BlockPool:
         for block in self.blocks:
             block.digest = None
         self.cached.clear()
-        self.events.append(AllBlocksCleared())
+        self.events.append(KvCleared())
         return True
 
-    def take_events(self) -> list:
+    def take_events(self) -> list[KvEvent]:
         events, self.events = self.events, []
         return events
 
@@ -155,5 +139,9 @@ class BlockPool:
         if block.digest is not None:
             if self.cached.get(block.digest) == block.block_id:
                 del self.cached[block.digest]
-                self.events.append(BlockRemoved(public_hash(block.digest)))
+                removed = public_hash(block.digest)
+                if self.events and isinstance(self.events[-1], KvRemoved):  # consecutive removals merge
+                    self.events[-1].block_hashes.append(removed)
+                else:
+                    self.events.append(KvRemoved([removed]))
             block.digest = None

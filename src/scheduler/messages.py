@@ -188,24 +188,6 @@ class KvEvents(msgspec.Struct, tag=True):
     events: list[KvEvent]
     timestamp: float  # wall clock (time.time()) when drained
 
-    @classmethod
-    def from_pool(cls, events: list, block_size: int, timestamp: float) -> "KvEvents":
-        """Convert BlockPool events; consecutive removals merge into one KvRemoved."""
-        from .block_pool import AllBlocksCleared, BlockRemoved, BlockStored
-
-        out: list = []
-        for ev in events:
-            if isinstance(ev, BlockStored):
-                out.append(KvStored(ev.block_hash, ev.parent_hash, list(ev.token_ids), block_size))
-            elif isinstance(ev, BlockRemoved):
-                if out and isinstance(out[-1], KvRemoved):
-                    out[-1].block_hashes.append(ev.block_hash)
-                else:
-                    out.append(KvRemoved([ev.block_hash]))
-            elif isinstance(ev, AllBlocksCleared):
-                out.append(KvCleared())
-        return cls(out, timestamp)
-
 
 ToScheduler = Union[AddRequest, AbortRequest, ControlRequest]
 FromScheduler = Union[EngineReady, StepOutput, Heartbeat, ControlReply, EngineDead, KvEvents]

@@ -170,7 +170,7 @@ class SchedulerLoop:
         """Send the prefix cache's changes since the last call as one KvEvents batch."""
         events = self.engine.pool.take_events()
         if events:
-            self.send(KvEvents.from_pool(events, self.engine.pool.block_size, time.time()))
+            self.send(KvEvents(events, time.time()))
 
     def _drain_inbox(self) -> None:
         refused: list[RequestOutput] = []
