@@ -92,6 +92,44 @@ class LogprobRows(msgspec.Struct, omit_defaults=True):
     ids_values: list[list[float]] = []
 
 
+class LogprobLists:
+    """Accumulated logprob rows (host lists), one entry per position."""
+
+    __slots__ = ("values", "token_ids", "top_values", "top_ids", "ids_values")
+
+    def __init__(self, token_ids: list[int] | None = None):
+        self.values: list[float | None] = []
+        self.token_ids: list[int] = token_ids if token_ids is not None else []  # input: preset
+        self.top_values: list[list[float]] = []
+        self.top_ids: list[list[int]] = []
+        self.ids_values: list[list[float]] = []
+
+    def append(self, value, top_values, top_ids, ids_values) -> None:
+        self.values.append(value)
+        self.top_values.append(top_values)
+        self.top_ids.append(top_ids)
+        self.ids_values.append(ids_values)
+
+    def rows(self, start: int, end: int, token_ids: list[int] | None = None) -> LogprobRows:
+        """Positions [start, end) as a message (empty top/ids columns left out)."""
+        return LogprobRows(
+            values=self.values[start:end],
+            token_ids=token_ids if token_ids is not None else self.token_ids[start:end],
+            top_values=self.top_values[start:end] if any(self.top_values[start:end]) else [],
+            top_ids=self.top_ids[start:end] if any(self.top_ids[start:end]) else [],
+            ids_values=self.ids_values[start:end] if any(self.ids_values[start:end]) else [],
+        )
+
+    def extend(self, rows: LogprobRows) -> None:
+        """Append a message's rows (its empty top/ids columns stand for empty entries)."""
+        n = len(rows.values)
+        self.values.extend(rows.values)
+        self.token_ids.extend(rows.token_ids)
+        self.top_values.extend(rows.top_values or [[]] * n)
+        self.top_ids.extend(rows.top_ids or [[]] * n)
+        self.ids_values.extend(rows.ids_values or [[]] * n)
+
+
 class RequestOutput(msgspec.Struct, omit_defaults=True):
     """What one request produced in one step."""
 

@@ -14,42 +14,13 @@ from __future__ import annotations
 
 import enum
 
-from .messages import LogprobRows, SamplingParams
+from .messages import LogprobLists, SamplingParams
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class LogprobLists:
-    """Accumulated logprob rows (host lists), one entry per position."""
-
-    __slots__ = ("values", "token_ids", "top_values", "top_ids", "ids_values")
-
-    def __init__(self, token_ids: list[int] | None = None):
-        self.values: list[float | None] = []
-        self.token_ids: list[int] = token_ids if token_ids is not None else []  # input: preset
-        self.top_values: list[list[float]] = []
-        self.top_ids: list[list[int]] = []
-        self.ids_values: list[list[float]] = []
-
-    def append(self, value, top_values, top_ids, ids_values) -> None:
-        self.values.append(value)
-        self.top_values.append(top_values)
-        self.top_ids.append(top_ids)
-        self.ids_values.append(ids_values)
-
-    def rows(self, start: int, end: int, token_ids: list[int] | None = None) -> LogprobRows:
-        """Positions [start, end) as a message (empty top/ids columns left out)."""
-        return LogprobRows(
-            values=self.values[start:end],
-            token_ids=token_ids if token_ids is not None else self.token_ids[start:end],
-            top_values=self.top_values[start:end] if any(self.top_values[start:end]) else [],
-            top_ids=self.top_ids[start:end] if any(self.top_ids[start:end]) else [],
-            ids_values=self.ids_values[start:end] if any(self.ids_values[start:end]) else [],
-        )
 
 
 class Request:

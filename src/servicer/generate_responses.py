@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from scheduler.messages import LogprobRows, RequestOutput
+from scheduler.messages import LogprobLists, LogprobRows, RequestOutput
 
 from .generated import sglang_scheduler_pb2 as pb
 
@@ -22,21 +22,14 @@ class _Sequence:
         self.output_ids: list[int] = []
         self.num_chunked = 0  # output tokens already sent in chunks
         self.sent_chunk = False
-        # output logprob columns, aligned with output_ids: values, top values, top ids, ids values
-        self.logprobs: tuple[list, list, list, list] | None = ([], [], [], []) if want_logprobs else None
+        self.logprobs = LogprobLists() if want_logprobs else None  # aligned with output_ids
         self.input_logprobs: LogprobRows | None = None
         self.input_sent = False
 
     def add(self, out: RequestOutput) -> None:
         self.output_ids.extend(out.new_token_ids)
-        rows = out.output_logprobs
         if self.logprobs is not None and out.new_token_ids:
-            values, top_v, top_i, ids_v = self.logprobs
-            n = len(out.new_token_ids)
-            values.extend(rows.values if rows is not None else [0.0] * n)
-            top_v.extend(rows.top_values if rows is not None and rows.top_values else [[]] * n)
-            top_i.extend(rows.top_ids if rows is not None and rows.top_ids else [[]] * n)
-            ids_v.extend(rows.ids_values if rows is not None and rows.ids_values else [[]] * n)
+            self.logprobs.extend(out.output_logprobs)  # (the scheduler sends rows with every token)
         if out.input_logprobs is not None:
             self.input_logprobs = out.input_logprobs
 
@@ -112,13 +105,14 @@ class GenerateResponses:
 
     def _output_logprobs(self, seq: _Sequence, start: int) -> pb.OutputLogProbs:
         """OutputLogProbs of the sequence's output tokens [start:] (a chunk's, or all)."""
-        values, top_v, top_i, ids_v = seq.logprobs
-        msg = pb.OutputLogProbs(token_logprobs=values[start:], token_ids=seq.output_ids[start:])
+        lp = seq.logprobs
+        msg = pb.OutputLogProbs(token_logprobs=lp.values[start:], token_ids=seq.output_ids[start:])
         if self.request.top_logprobs_num > 0:
-            msg.top_logprobs.extend(pb.TopLogProbs(values=v, token_ids=i) for v, i in zip(top_v[start:], top_i[start:]))
+            msg.top_logprobs.extend(pb.TopLogProbs(values=v, token_ids=i)
+                                    for v, i in zip(lp.top_values[start:], lp.top_ids[start:]))
         if self.request.token_ids_logprob:
             wanted = list(self.request.token_ids_logprob)
-            msg.token_ids_logprobs.extend(pb.TopLogProbs(values=v, token_ids=wanted) for v in ids_v[start:])
+            msg.token_ids_logprobs.extend(pb.TopLogProbs(values=v, token_ids=wanted) for v in lp.ids_values[start:])
         return msg
 
     def _input_logprobs(self, rows: LogprobRows) -> pb.InputLogProbs:
