@@ -7,7 +7,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup proto run test test-fast test-slow bench clean
+.PHONY: setup proto run test test-slow bench clean
 
 setup: $(STAMP)
 
@@ -32,11 +32,9 @@ run: setup
 test: setup
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
-test-fast: setup
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
-
+# (pytest exits 5 when no test is marked slow: an empty set, not a failure)
 test-slow: setup
-	$(PY) -m pytest -q -m slow $(ARGS)
+	$(PY) -m pytest -q -m slow $(ARGS) || [ $$? -eq 5 ]
 
 bench: setup
 	$(PY) bench/bench_w64.py $(ARGS)

@@ -594,6 +594,13 @@ def test_get_server_info(grpc_stub):
     assert si.uptime_seconds > 0
 
 
+def test_lora_adapters_none_loaded_and_loading_unsupported(grpc_stub):
+    assert not grpc_stub.ListLoadedLoRAAdapters(pb.ListLoadedLoRAAdaptersRequest(), timeout=10).loaded_adapters
+    with pytest.raises(grpc.RpcError) as ei:
+        grpc_stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="x", lora_path="/nowhere"), timeout=10)
+    assert ei.value.code() == grpc.StatusCode.UNIMPLEMENTED and "does not support LoRA" in ei.value.details()
+
+
 def test_get_loads(grpc_stub):
     r = grpc_stub.GetLoads(pb.GetLoadsRequest(include=["core", "disagg", "queues", "memory"]), timeout=10)
     assert len(r.loads) >= 1

@@ -117,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a structured-output grammar (regex, JSON schema, EBNF) may take to compile "
                         "before its request is refused")
     p.add_argument("--num-threads", type=_COUNT, default=e.num_threads,
-                   help="CPU threads for torch (default: all cores)")
+                   help="CPU threads for torch (default: all cores); on a host shared with other CPU-heavy "
+                   "processes give fewer than the free cores: the threads wait on each other every step, "
+                   "so one that is descheduled stalls them all")
     p.add_argument("--seed", type=int, default=e.seed, help="seed of the sampler's default generator")
     p.add_argument("--shutdown-grace-period", dest="shutdown_grace_s", type=_number(float, 0.0), metavar="SECONDS",
                    default=srv.shutdown_grace_s, help="seconds SIGTERM waits for in-flight requests before aborting them")

@@ -264,7 +264,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             await asyncio.sleep(0.05)
 
     async def _unimplemented(self, context, what: str):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{what} is not supported by this server")
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"this server does not support {what}")
 
     async def Embed(self, request, context):
         await self._unimplemented(context, "Embed (this is a generation model)")
@@ -304,7 +304,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         await self._unimplemented(context, "LoRA adapters")
 
     async def ListLoadedLoRAAdapters(self, request, context):
-        await self._unimplemented(context, "LoRA adapters")
+        return pb.ListLoadedLoRAAdaptersResponse()  # none: adapters cannot be loaded
 
     # -- tokenizer -----------------------------------------------------------------------
     async def GetTokenizer(self, request, context):
