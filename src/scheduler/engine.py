@@ -142,39 +142,12 @@ class Engine:
         appended = self.scheduler.complete(launched.batch, tokens, launched.logprobs)
         self.stats.num_generated_tokens += appended  # not the tokens of requests already done
         self.throughput.add(launched.launched_at, time.monotonic(), appended)
-        outputs = [self._output_of(req) for req in launched.batch.requests if not req.is_finished]
+        outputs = [req.take_output() for req in launched.batch.requests if not req.is_finished]
         return [o for o in outputs if o is not None]
 
     def finished_outputs(self) -> list[RequestOutput]:
         """Final outputs of every request finished since the last call (aborts included)."""
-        return [self._output_of(req, force=True) for req in self.scheduler.take_finished()]
-
-    def _output_of(self, req: Request, force: bool = False) -> RequestOutput | None:
-        start, end = req.num_sent_tokens, req.num_sendable_tokens
-        if end <= start and not force:
-            return None
-        p = req.num_prompt_tokens
-        new = req.token_ids[p + start : p + end]  # (end never passes the visible outputs)
-        req.num_sent_tokens = max(start, end)
-        out = RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=new,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            num_output_tokens=req.num_sent_tokens,
-            finish_reason=req.finish_reason,
-            matched_token_id=req.matched_token_id,
-            matched_stop_str=req.matched_stop_str,
-        )
-        if req.error is not None:
-            out.error_code, out.error = req.error
-        if req.output_logprobs is not None and new:
-            out.output_logprobs = req.output_logprobs.rows(start, start + len(new), new)
-        if req.input_logprobs is not None and not req.input_logprobs_sent and not req.needs_input_logprobs:
-            if new or req.is_finished:
-                req.input_logprobs_sent = True
-                out.input_logprobs = req.input_logprobs.rows(0, len(req.input_logprobs.values))
-        return out
+        return [req.take_output(final=True) for req in self.scheduler.take_finished()]
 
     def refresh_load(self) -> None:
         """Publish a new load snapshot (replaced whole, so other threads read it safely)."""

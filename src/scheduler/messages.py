@@ -146,6 +146,11 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
     error: str | None = None  # set when the scheduler refused the request
     error_code: str | None = None  # gRPC status name for `error`
 
+    @classmethod
+    def refused(cls, msg: AddRequest, code: str, message: str) -> RequestOutput:
+        """The only output of a request refused at admission (``code``: a gRPC status name)."""
+        return cls(msg.request_id, [], len(msg.input_ids), 0, 0, "abort", error=message, error_code=code)
+
 
 class LoadSnapshot(msgspec.Struct):
     """The scheduler's load, refreshed after every step (read by GetLoads and health)."""

@@ -204,16 +204,7 @@ class SchedulerLoop:
             self.engine.add_request(msg)
             return None
         except AdmissionError as e:
-            return RequestOutput(
-                request_id=msg.request_id,
-                new_token_ids=[],
-                num_prompt_tokens=len(msg.input_ids),
-                num_cached_tokens=0,
-                num_output_tokens=0,
-                finish_reason="abort",
-                error=str(e),
-                error_code=e.code,
-            )
+            return RequestOutput.refused(msg, e.code, str(e))
 
     def _control(self, msg: ControlRequest) -> ControlReply | None:
         """The reply, or None for a StopProfile answered when its trace is written."""

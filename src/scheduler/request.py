@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 
-from .messages import LogprobLists, SamplingParams
+from .messages import LogprobLists, RequestOutput, SamplingParams
 
 
 class Status(enum.Enum):
@@ -177,6 +177,35 @@ class Request:
         if not self.sampling.no_stop_trim:
             self.num_visible_outputs = keep
         return True
+
+    def take_output(self, final: bool = False) -> RequestOutput | None:
+        """The output tokens (and logprob rows) not yet sent that may go now, marked sent;
+        None when there are none, unless ``final`` (the finished request's last output)."""
+        start, end = self.num_sent_tokens, self.num_sendable_tokens
+        if end <= start and not final:
+            return None
+        p = self.num_prompt_tokens
+        new = self.token_ids[p + start : p + end]  # (end never passes the visible outputs)
+        self.num_sent_tokens = max(start, end)
+        out = RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=new,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_output_tokens=self.num_sent_tokens,
+            finish_reason=self.finish_reason,
+            matched_token_id=self.matched_token_id,
+            matched_stop_str=self.matched_stop_str,
+        )
+        if self.error is not None:
+            out.error_code, out.error = self.error
+        if self.output_logprobs is not None and new:
+            out.output_logprobs = self.output_logprobs.rows(start, start + len(new), new)
+        if self.input_logprobs is not None and not self.input_logprobs_sent and not self.needs_input_logprobs:
+            if new or self.is_finished:
+                self.input_logprobs_sent = True
+                out.input_logprobs = self.input_logprobs.rows(0, len(self.input_logprobs.values))
+        return out
 
     def finish(self, reason: str, matched_token_id: int | None = None) -> None:
         self.status = Status.FINISHED
