@@ -78,8 +78,7 @@ class Engine:
         sp = msg.sampling
         if sp.constraint_kind:
             self.grammars.check_room()
-        req = self.scheduler.add_request(msg, hold=bool(sp.constraint_kind))
-        req.stop_checker = checker
+        req = self.scheduler.add_request(msg, hold=bool(sp.constraint_kind), stop_checker=checker)
         if sp.constraint_kind:
             self.grammars.submit(req, sp.constraint_kind, sp.constraint)
         self.stats.num_prompt_tokens += req.num_prompt_tokens
@@ -89,8 +88,7 @@ class Engine:
         """Queue the held requests whose grammar is ready; refuse those it failed for."""
         done = self.grammars.poll(wait_briefly=not self.scheduler.has_work() and self.inflight is None)
         for req, matcher in done.ready:
-            req.grammar = matcher
-            self.scheduler.release(req)
+            self.scheduler.release(req, grammar=matcher)
         for req, code, message in done.refused:
             self.scheduler.reject(req, code, message)
 

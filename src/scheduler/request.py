@@ -32,6 +32,7 @@ class Request:
         max_new_tokens: int,
         eos_token_ids: frozenset[int],
         hash_extra: bytes = b"",
+        stop_checker=None,
     ):
         self.request_id = request_id
         self.token_ids = list(prompt_ids)  # prompt, then outputs
@@ -58,9 +59,9 @@ class Request:
         self.matched_token_id: int | None = None
         self.matched_stop_str: str | None = None
         self.num_visible_outputs: int | None = None  # set when a matched stop string is trimmed
-        self.stop_checker = None  # StopStringChecker, attached by the engine when stop strings are sent
+        self.stop_checker = stop_checker  # StopStringChecker, when stop strings are sent
         self.sampler_state = None  # owned by the sampler (seeded generator, token-id buffer)
-        self.grammar = None  # xgrammar GrammarMatcher (structured output), attached by the engine
+        self.grammar = None  # xgrammar GrammarMatcher (structured output), set on release from hold
         # Logprobs (sampling.return_logprob): output rows in step with the output tokens.
         self.output_logprobs = LogprobLists() if sampling.return_logprob else None
         self.input_logprobs: LogprobLists | None = None

@@ -82,9 +82,9 @@ class Scheduler:
         self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache, in all
 
     # -- admission -------------------------------------------------------------------
-    def add_request(self, msg: AddRequest, hold: bool = False) -> Request:
+    def add_request(self, msg: AddRequest, hold: bool = False, stop_checker=None) -> Request:
         """Admit a request (AdmissionError if it can never run); queue it, or with ``hold``
-        keep it aside until :meth:`release`."""
+        keep it aside until :meth:`release`. ``stop_checker``: its StopStringChecker."""
         if msg.request_id in self.requests:
             raise AdmissionError("ALREADY_EXISTS", f"request id {msg.request_id!r} is already in flight")
         n = len(msg.input_ids)
@@ -117,7 +117,7 @@ class Scheduler:
             )
         self.check_queue_room()
         extra = msg.cache_salt.encode()
-        req = Request(msg.request_id, msg.input_ids, msg.sampling, max_new, self.eos_token_ids, extra)
+        req = Request(msg.request_id, msg.input_ids, msg.sampling, max_new, self.eos_token_ids, extra, stop_checker)
         self.requests[req.request_id] = req
         if hold:
             self.held[req.request_id] = req
@@ -125,9 +125,10 @@ class Scheduler:
             self._enqueue(req)
         return req
 
-    def release(self, req: Request) -> None:
-        """A held request becomes schedulable."""
+    def release(self, req: Request, grammar=None) -> None:
+        """A held request becomes schedulable (with its compiled grammar's matcher)."""
         del self.held[req.request_id]
+        req.grammar = grammar
         self._enqueue(req)
 
     def reject(self, req: Request, code: str, message: str) -> None:
