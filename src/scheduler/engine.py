@@ -37,7 +37,7 @@ class Engine:
         self.config = config
         self.runner = runner or ModelRunner(config)
         mc = self.runner.model_config
-        self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.pool = BlockPool(self.runner.num_cache_blocks, config.block_size, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
         eos = frozenset(mc.eos_token_ids)
         self.scheduler = Scheduler(

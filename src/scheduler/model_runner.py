@@ -109,12 +109,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-            torch.set_flush_denormal(True)  # denormal activations slow x86 math by orders of magnitude
-            keep_freed_memory()  # no page faults on every step's activations (cpu_malloc.py)
-            if self.dtype == torch.bfloat16 and not cpu_has_bf16():
-                logger.warning("this CPU has no bf16 instructions: torch emulates them, and bfloat16 runs "
-                               "slower than float32 here")
+            self._configure_cpu()
         torch.manual_seed(config.seed)
 
         loaded = loaded or load_model(config)
@@ -124,8 +119,8 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(
             self.device.type, ACCELERATOR_BATCHED_TOKENS
         )
-        self.num_blocks = self._num_kv_blocks()
-        capacity = (self.num_blocks - 1) * self.block_size
+        self.num_cache_blocks = self._num_kv_blocks()  # the null block included
+        capacity = (self.num_cache_blocks - 1) * self.block_size
         if capacity < self.max_model_len:
             logger.warning("the KV cache holds %d tokens, less than the %d-token context: longer requests "
                            "will be refused (raise --kv-cache-memory or lower --max-model-len)", capacity,
@@ -140,20 +135,31 @@ class ModelRunner:
         if config.small_batch_gemv and not self.triton:
             logger.warning("small_batch_gemv needs the Triton kernels (CUDA, or kernel_backend=triton): ignored")
         self.model.use_triton_kernels(self.triton, small_batch_gemv=config.small_batch_gemv, pdl=self._use_pdl())
-        self.graphs = None
         self.num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
         )
+        self.graphs = None
         if self.triton and self.device.type == "cuda":
             self.compile_kernels()
-        if self.triton and self.device.type == "cuda" and config.cuda_graph:
-            from .cuda_graphs import DecodeGraphs
+            if config.cuda_graph:
+                self._capture_graphs()
 
-            self.graphs = DecodeGraphs(
-                self.model, self.kv_caches, config.max_running_requests,
-                -(-self.max_model_len // self.block_size), self.block_size, self.device, self.num_sms, self.upload,
-            )
-            self.graphs.capture()
+    def _configure_cpu(self) -> None:
+        torch.set_num_threads(self.config.num_threads or os.cpu_count() or 1)
+        torch.set_flush_denormal(True)  # denormal activations slow x86 math by orders of magnitude
+        keep_freed_memory()  # no page faults on every step's activations (cpu_malloc.py)
+        if self.dtype == torch.bfloat16 and not cpu_has_bf16():
+            logger.warning("this CPU has no bf16 instructions: torch emulates them, and bfloat16 runs "
+                           "slower than float32 here")
+
+    def _capture_graphs(self) -> None:
+        from .cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.config.max_running_requests,
+            -(-self.max_model_len // self.block_size), self.block_size, self.device, self.num_sms, self.upload,
+        )
+        self.graphs.capture()
 
     @torch.inference_mode()
     def compile_kernels(self) -> None:
@@ -247,12 +253,12 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         mc = self.model_config
-        shape = (mc.num_layers, 2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (mc.num_layers, 2, self.num_cache_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         logger.info(
             "KV cache: %d blocks x %d tokens (%.2f GiB, %s)",
-            self.num_blocks - 1,
+            self.num_cache_blocks - 1,
             self.block_size,
             self.kv_cache.numel() * self.dtype.itemsize / 2**30,
             self.dtype,
