@@ -56,6 +56,14 @@ def test_top_k_1_is_greedy_even_hot():
     assert torch.equal(out, logits.argmax(-1))
 
 
+def test_the_request_and_the_kernels_agree_on_what_is_greedy():
+    from kernels.sampling import MIN_TEMPERATURE
+    from scheduler.messages import GREEDY_TEMPERATURE
+
+    assert GREEDY_TEMPERATURE == MIN_TEMPERATURE
+    assert SamplingParams(temperature=MIN_TEMPERATURE / 2).greedy and not SamplingParams(temperature=0.01).greedy
+
+
 def test_mixed_batch_greedy_rows_stay_argmax():
     logits = logits_of(6)
     p = params(6, temperature=[0.0, 1.0, 0.0, 2.0, 0.0, 0.7])

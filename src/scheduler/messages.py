@@ -14,6 +14,8 @@ from typing import Any, Union
 
 import msgspec
 
+GREEDY_TEMPERATURE = 1e-5  # kernels.sampling.MIN_TEMPERATURE (this module stays torch-free)
+
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     """Normalised sampling parameters (proto3 zeros already mapped to their meaning)."""
@@ -45,7 +47,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        """Takes the argmax (the sampling kernels treat a temperature this low as 0)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

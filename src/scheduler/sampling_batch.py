@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kernels.sampling import MIN_TEMPERATURE, Penalties, SamplingTensors, argmax_rows, sample, token_logprobs
+from kernels.sampling import Penalties, SamplingTensors, argmax_rows, sample, token_logprobs
 from kernels.triton_attention import triton_available
 
 from .request import Request
@@ -186,7 +186,7 @@ class BatchSampler:
         if not (pen_rows or bias_rows or ban_rows or seeded or grammar_rows or any_min_p):
             # The common cases need no parameter tensors but (fused) the temperatures, copied
             # without waiting for the GPU.
-            greedy = [t < MIN_TEMPERATURE or k == 1 for t, k in zip(temperature, top_k)]
+            greedy = [r.sampling.greedy for r in reqs]
             if all(greedy):
                 return SamplingTensors.temperature_only(len(reqs))
             if self.fused_sampling and all(
