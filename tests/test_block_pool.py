@@ -13,7 +13,7 @@ def make_request(rid, tokens, max_new=4):
 
 
 def test_null_block_is_never_handed_out():
-    pool = BlockPool(num_blocks=5, block_size=4)
+    pool = BlockPool(num_cache_blocks=5, block_size=4)
     assert pool.num_blocks == 4 and pool.num_free_blocks == 4
     ids = pool.allocate(4)
     assert NULL_BLOCK not in ids and sorted(ids) == [1, 2, 3, 4]
@@ -22,7 +22,7 @@ def test_null_block_is_never_handed_out():
 
 
 def test_free_returns_blocks_and_keeps_eviction_order():
-    pool = BlockPool(num_blocks=5, block_size=4)
+    pool = BlockPool(num_cache_blocks=5, block_size=4)
     a = pool.allocate(2)
     pool.free(list(reversed(a)))  # tail first: a[1] is evicted before a[0]
     assert pool.num_free_blocks == 4
@@ -31,7 +31,7 @@ def test_free_returns_blocks_and_keeps_eviction_order():
 
 
 def test_shared_block_needs_every_reference_dropped():
-    pool = BlockPool(num_blocks=3, block_size=4)
+    pool = BlockPool(num_cache_blocks=3, block_size=4)
     (b,) = pool.allocate(1)
     pool.touch([b])
     pool.free([b])
@@ -47,7 +47,7 @@ def test_hash_chain_depends_on_parent():
 
 
 def test_prefix_hit_shares_blocks_and_leaves_last_token_to_compute():
-    pool = BlockPool(num_blocks=16, block_size=4)
+    pool = BlockPool(num_cache_blocks=16, block_size=4)
     kv = KVCacheManager(pool)
     prompt = list(range(10, 22))  # 12 tokens = 3 full blocks
     first = make_request("a", prompt)
@@ -75,7 +75,7 @@ def test_prefix_hit_shares_blocks_and_leaves_last_token_to_compute():
 
 
 def test_reusing_a_cached_block_emits_removed():
-    pool = BlockPool(num_blocks=3, block_size=2)
+    pool = BlockPool(num_cache_blocks=3, block_size=2)
     kv = KVCacheManager(pool)
     r = make_request("a", [5, 6, 7, 8])
     kv.admit(r, [])
@@ -88,10 +88,19 @@ def test_reusing_a_cached_block_emits_removed():
     events = pool.take_events()
     assert [type(e) for e in events] == [KvRemoved] and len(events[0].block_hashes) == 2  # merged
     assert not pool.cached
+    # a store between two removals keeps them apart (the order of events is the cache's history)
+    pool = BlockPool(num_cache_blocks=4, block_size=2)
+    for block_id, digest in ((1, b"a"), (2, b"b"), (3, b"c")):
+        pool.cache_block(block_id, digest * 32, None, [block_id, block_id])
+    pool.take_events()
+    pool.allocate(1)  # evicts block 1 (the free queue's front)
+    pool.cache_block(1, b"d" * 32, None, [7, 7])
+    pool.allocate(1)  # evicts block 2
+    assert [type(e) for e in pool.take_events()] == [KvRemoved, KvStored, KvRemoved]
 
 
 def test_reset_prefix_cache_refused_while_in_use():
-    pool = BlockPool(num_blocks=4, block_size=2)
+    pool = BlockPool(num_cache_blocks=4, block_size=2)
     ids = pool.allocate(1)
     assert not pool.reset_prefix_cache()
     pool.free(ids)
@@ -100,7 +109,7 @@ def test_reset_prefix_cache_refused_while_in_use():
 
 
 def test_prefix_caching_disabled_never_hits():
-    pool = BlockPool(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    pool = BlockPool(num_cache_blocks=8, block_size=2, enable_prefix_caching=False)
     kv = KVCacheManager(pool)
     r = make_request("a", [1, 2, 3, 4, 5])
     kv.admit(r, [])

@@ -27,7 +27,10 @@ except SystemExit as e:
     print(json.dumps({"exit": e.code}))
 else:
     import msgspec
-    print(json.dumps({"engine": msgspec.to_builtins(engine), "host": server.host}))
+    import dataclasses
+    from servicer.server import ServerConfig
+    print(json.dumps({"engine": msgspec.to_builtins(engine), "server": dataclasses.asdict(server),
+                      "server_defaults": dataclasses.asdict(ServerConfig()), "host": server.host}))
 """
 
 
@@ -48,7 +51,8 @@ def test_defaults_serve_the_embedded_model_on_localhost():
     assert engine["cuda_graph"] and engine["overlap_schedule"] is None and not engine["small_batch_gemv"]
     assert not engine["pdl"]
     assert engine["kernel_backend"] == "auto" and engine["enable_prefix_caching"]
-    assert engine == msgspec.to_builtins(EngineConfig())  # the flags' defaults are the config's
+    assert engine == msgspec.to_builtins(EngineConfig())  # the flags' defaults are the configs'
+    assert out["server"] == out["server_defaults"]
 
 
 def test_kernel_and_schedule_flags():

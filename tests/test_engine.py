@@ -175,7 +175,6 @@ def test_a_grammar_compiling_past_its_time_limit_is_refused_and_delays_no_other(
     queued behind them is restarted on fresh threads and served."""
     import time
 
-    from scheduler import grammar_compiles
     from scheduler.messages import AddRequest
 
     # (5 s: a cached compile took 1.3 s under load)
@@ -223,7 +222,6 @@ def test_a_cancelled_request_compiling_its_grammar_holds_no_thread(loaded, monke
     constraints are refused."""
     import time
 
-    from scheduler import grammar_compiles
     from scheduler.messages import AddRequest
 
     engine, gate, good, stuck = _engine_with_a_stuck_grammar(loaded, monkeypatch, timeout_s=30.0)

@@ -280,6 +280,7 @@ def test_plain_greedy_fast_path_detected():
     s = sampler()
     reqs = [make_req([1, 2], [3], rid=str(i), temperature=0.0) for i in range(4)] + [make_req([1], rid="k", top_k=1)]
     assert s.build(reqs).plain_greedy
+    assert s.build([make_req([1], rid="cold", temperature=5e-6)]).plain_greedy  # below the kernels' threshold
 
 
 def test_seeded_request_reproducible_through_build():

@@ -171,7 +171,7 @@ class SamplingTensors:
         kernel_generator: torch.Generator | None = None,
         **extra,
     ) -> "SamplingTensors":
-        """Per-row parameters as lists (temperature <= 0 or top_k 1: greedy; top_k <= 0:
+        """Per-row parameters as lists (temperature < MIN_TEMPERATURE or top_k 1: greedy; top_k <= 0:
         off); ``seeded``: (batch row, CPU generator); ``upload``: host numpy array -> device
         tensor (``scheduler.transfer.HostToDevice``: never waits for the GPU);
         ``kernel_generator``: the device generator, to sample with the Triton rejection

@@ -44,13 +44,14 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 2:
-            raise ValueError(f"the KV pool needs at least 2 blocks (1 is the null block), got {num_blocks}")
+    def __init__(self, num_cache_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        """``num_cache_blocks``: the KV cache's blocks, the null block included."""
+        if num_cache_blocks < 2:
+            raise ValueError(f"the KV pool needs at least 2 blocks (1 is the null block), got {num_cache_blocks}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self.blocks = [Block(i) for i in range(num_cache_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_cache_blocks))
         self.cached: dict[bytes, int] = {}  # digest -> block id
         self.events: list[KvEvent] = []  # prefix-cache changes since the last take_events
 

@@ -85,7 +85,8 @@ class Engine:
         return req
 
     def _admit_compiled(self) -> None:
-        """Queue the held requests whose grammar is ready; refuse those it failed for."""
+        """Queue the held requests whose grammar is ready; refuse those it failed for or
+        that overran the compile time limit."""
         done = self.grammars.poll(wait_briefly=not self.scheduler.has_work() and self.inflight is None)
         for req, matcher in done.ready:
             self.scheduler.release(req, grammar=matcher)
@@ -196,25 +197,29 @@ class Engine:
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
     ) -> list[Completion]:
-        """Run prompts to completion with continuous batching; results in prompt order."""
+        """Run prompts to completion with continuous batching; results in prompt order.
+        All or none: if one prompt is refused (AdmissionError), none stays queued."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         ids = [f"offline-{next(self._offline_ids)}" for _ in prompts]
         results = {
             rid: Completion(rid, list(p), [], None, 0, []) for rid, p in zip(ids, prompts)
         }
+        added = []
         try:
             for rid, prompt, sp in zip(ids, prompts, params):
                 self.add_request(AddRequest(rid, list(prompt), sp))
-        except AdmissionError:  # all or none: the ones queued before the refused one go
-            for rid in ids:
+                added.append(rid)
+        except AdmissionError:
+            for rid in added:  # (their final outputs go with the next step's, unread)
                 self.abort(rid)
-            self.finished_outputs()
             raise
         while self.has_work():
             out = self.step()
             now = time.perf_counter()
             for o in out.outputs:
-                c = results[o.request_id]
+                c = results.get(o.request_id)
+                if c is None:  # not this call's (e.g. aborted by an earlier refused call)
+                    continue
                 c.output_ids.extend(o.new_token_ids)
                 c.token_times.extend([now] * len(o.new_token_ids))
                 c.num_cached_tokens = o.num_cached_tokens

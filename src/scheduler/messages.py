@@ -20,7 +20,7 @@ GREEDY_TEMPERATURE = 1e-5  # kernels.sampling.MIN_TEMPERATURE (this module stays
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     """Normalised sampling parameters (proto3 zeros already mapped to their meaning)."""
 
-    temperature: float = 1.0  # <= 0 means greedy
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 included): greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
     min_p: float = 0.0
@@ -174,6 +174,7 @@ class LoadSnapshot(msgspec.Struct):
     def token_usage(self) -> float:
         """The share of the KV cache's tokens in use."""
         return self.num_used_tokens / self.max_total_num_tokens if self.max_total_num_tokens else 0.0
+
 
 class StepOutput(msgspec.Struct, tag=True):
     outputs: list[RequestOutput]

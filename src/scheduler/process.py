@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("stopping before the profile trace %s was written", writing.path)
         writing.discard()
     logger.info("scheduler stopped")
-    if engine.grammars.abandoned:  # Python would join their threads at exit, for as long as they run
+    if engine.grammars.abandoned or engine.grammars:  # Python would join compiling threads at exit
         outbox.close(linger=1000)
         logging.shutdown()
         os._exit(0)

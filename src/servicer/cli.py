@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU threads for torch (default: all cores); on a host shared with other CPU-heavy "
                    "processes give fewer than the free cores: the threads wait on each other every step, "
                    "so one that is descheduled stalls them all")
-    p.add_argument("--seed", type=int, default=e.seed, help="seed of the sampler's default generator")
+    p.add_argument("--seed", type=_number(int, -2**63, 2**64 - 1), default=e.seed, help="seed of the sampler's default generator")
     p.add_argument("--shutdown-grace-period", dest="shutdown_grace_s", type=_number(float, 0.0), metavar="SECONDS",
                    default=srv.shutdown_grace_s, help="seconds SIGTERM waits for in-flight requests before aborting them")
     p.add_argument("--watchdog-timeout", dest="watchdog_timeout_s", default=srv.watchdog_timeout_s,
@@ -135,8 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
     args = vars(build_parser().parse_args(argv))
     args["overlap_schedule"] = {"auto": None, "on": True, "off": False}[args["overlap_schedule"]]
-    engine = EngineConfig(**{f: args[f] for f in EngineConfig.__struct_fields__ if f in args})
-    server = ServerConfig(**{f.name: args[f.name] for f in dataclasses.fields(ServerConfig) if f.name in args})
+    engine_fields = set(EngineConfig.__struct_fields__)
+    server_fields = {f.name for f in dataclasses.fields(ServerConfig)}
+    assert set(args) <= engine_fields | server_fields, set(args) - engine_fields - server_fields  # a dest typo
+    engine = EngineConfig(**{f: args[f] for f in engine_fields & set(args)})
+    server = ServerConfig(**{f: args[f] for f in server_fields & set(args)})
     return engine, server
 
 
