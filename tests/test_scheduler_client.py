@@ -11,7 +11,7 @@ import zmq.asyncio
 
 from scheduler.config import EngineConfig
 from scheduler.messages import Heartbeat, KvEvents, LoadSnapshot, StepOutput, from_scheduler_encoder
-from servicer.scheduler_client import SchedulerClient
+from servicer.scheduler_client import SchedulerClient, _Route
 
 
 async def _wait_for(predicate, timeout=5.0):
@@ -77,7 +77,7 @@ def test_an_unreadable_message_marks_the_scheduler_dead_at_once():
     async def scenario():
         async with _reading_client() as (client, scheduler):
             waiter = asyncio.Queue()
-            client._requests["r1"] = waiter
+            client._routes["r1"] = _Route(waiter)  # (not ready: submit would refuse)
             await scheduler.send(b"not msgspec")
             error = await asyncio.wait_for(waiter.get(), 5)
             assert client.died.is_set() and "could not read the scheduler's messages" in str(error), error

@@ -49,8 +49,17 @@ class Liveness:
     load: LoadSnapshot = field(default_factory=LoadSnapshot)
 
 
-# Stands in for the queue of a cancelled request until the scheduler's final output for it.
-_DISCARD = object()
+class _Route:
+    """Where one request id's outputs go, and how far the request got: OPEN (outputs go
+    to ``queue``), FINISHED (its final output went there; the caller may still be reading)
+    or CANCELLED (its caller left: outputs are dropped until the final one frees the id)."""
+
+    OPEN, FINISHED, CANCELLED = "open", "finished", "cancelled"
+    __slots__ = ("queue", "state")
+
+    def __init__(self, queue: asyncio.Queue):
+        self.queue = queue
+        self.state = _Route.OPEN
 
 
 class SchedulerClient:
@@ -83,8 +92,7 @@ class SchedulerClient:
         self.dead_reason: str | None = None
         self.ready = asyncio.Event()
         self.died = asyncio.Event()
-        self._requests: dict[str, asyncio.Queue] = {}
-        self._finished: set[str] = set()  # of those, the ids whose final output has arrived
+        self._routes: dict[str, _Route] = {}  # by request id, until the caller lets go
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
         self._reader: asyncio.Task | None = None
@@ -158,10 +166,10 @@ class SchedulerClient:
         self.dead_reason = reason
         self.died.set()
         # Wake every waiter: their requests cannot finish any more.
-        for rid, queue in list(self._requests.items()):
-            if queue is _DISCARD:
-                del self._requests[rid]
-        for queue in set(self._requests.values()):
+        for rid, route in list(self._routes.items()):
+            if route.state is _Route.CANCELLED:
+                del self._routes[rid]
+        for queue in {route.queue for route in self._routes.values()}:  # (n sequences share one)
             queue.put_nowait(SchedulerUnavailable(reason))
         for fut in self._calls.values():
             if not fut.done():
@@ -192,14 +200,16 @@ class SchedulerClient:
             if msg.load is not None:  # before the outputs: a finished request is no longer counted
                 self._take_load(msg.load)
             for out in msg.outputs:
-                queue = self._requests.get(out.request_id)
-                if queue is _DISCARD:
+                route = self._routes.get(out.request_id)
+                if route is None:
+                    continue
+                if route.state is _Route.CANCELLED:
                     if out.finish_reason is not None:  # a cancelled request is gone at last
-                        del self._requests[out.request_id]
-                elif queue is not None:
-                    queue.put_nowait(out)
+                        del self._routes[out.request_id]
+                else:
+                    route.queue.put_nowait(out)
                     if out.finish_reason is not None:  # (its caller may still be reading)
-                        self._finished.add(out.request_id)
+                        route.state = _Route.FINISHED
         elif isinstance(msg, Heartbeat):
             # Sent beside the step outputs: one from inside a step can arrive after
             # that step's output, and its in-step time is then stale.
@@ -230,47 +240,48 @@ class SchedulerClient:
 
     # -- requests --------------------------------------------------------------------
     def in_flight_ids(self) -> list[str]:
-        return list(self._requests)
+        return list(self._routes)
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._requests)
+        return len(self._routes)
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
+        return request_id in self._routes
 
     def submit(self, msg: AddRequest, queue: asyncio.Queue) -> None:
         """Send a request; its outputs (RequestOutput, or an exception) arrive on ``queue``,
         which several requests may share (the n sequences of one call)."""
         if not self.alive:
             raise SchedulerUnavailable(self.dead_reason or "the scheduler is not ready")
-        if msg.request_id in self._requests:  # the caller checks; never reroute another's outputs
+        if msg.request_id in self._routes:  # the caller checks; never reroute another's outputs
             raise ValueError(f"request id {msg.request_id!r} is already in flight")
-        self._requests[msg.request_id] = queue
+        self._routes[msg.request_id] = _Route(queue)
         self.to_scheduler.send(to_scheduler_encoder.encode(msg))
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's queue (its final output has arrived)."""
-        self._requests.pop(request_id, None)
-        self._finished.discard(request_id)
+        self._routes.pop(request_id, None)
 
     def cancel(self, request_id: str, reason: str = "") -> None:
         """Abort a request nobody waits for any more. Its id stays taken, its outputs
         dropped, until the scheduler's final output for it arrives: a new request reusing
         the id must never receive the old one's tokens or abort notice."""
-        if request_id not in self._requests:
+        route = self._routes.get(request_id)
+        if route is None or route.state is _Route.CANCELLED:
             return
-        if request_id in self._finished or not self.alive:  # no (further) final output will come
+        if route.state is _Route.FINISHED or not self.alive:  # no (further) final output will come
             self.release(request_id)
             return
         logger.debug("request %s: its caller left; aborting it", request_id)
         self.abort(request_id, reason)
-        self._requests[request_id] = _DISCARD
+        route.state = _Route.CANCELLED
 
     def abort(self, request_id: str, reason: str = "") -> bool:
         """Ask the scheduler to drop a request and free its KV; False if unknown here,
         already cancelled, or already finished."""
-        if self._requests.get(request_id, _DISCARD) is _DISCARD or request_id in self._finished or not self.alive:
+        route = self._routes.get(request_id)
+        if route is None or route.state is not _Route.OPEN or not self.alive:
             return False
         self.to_scheduler.send(to_scheduler_encoder.encode(AbortRequest(request_id, reason)))
         return True
