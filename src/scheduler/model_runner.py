@@ -122,9 +122,9 @@ class ModelRunner:
         self.num_cache_blocks = self._num_kv_blocks()  # the null block included
         capacity = (self.num_cache_blocks - 1) * self.block_size
         if capacity < self.max_model_len:
+            flag = "--kv-cache-tokens" if config.kv_cache_tokens is not None else "--kv-cache-memory"
             logger.warning("the KV cache holds %d tokens, less than the %d-token context: longer requests "
-                           "will be refused (raise --kv-cache-memory or lower --max-model-len)", capacity,
-                           self.max_model_len)
+                           "will be refused (raise %s or lower --max-model-len)", capacity, self.max_model_len, flag)
         self._allocate_kv_cache()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
