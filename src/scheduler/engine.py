@@ -66,23 +66,24 @@ class Engine:
     def add_request(self, msg: AddRequest) -> Request:
         """Queue a request; raises AdmissionError for one that can never run."""
         self.scheduler.check_queue_room()  # first: under overload, refuse before any setup
-        checker = None
-        if msg.sampling.stop:
-            from .stop_strings import StopStringChecker, load_tokenizer
-
-            try:
-                tokenizer = load_tokenizer(self.runner.model_path)
-            except Exception as e:  # noqa: BLE001  (no tokenizer: refuse rather than ignore the stops)
-                raise AdmissionError("FAILED_PRECONDITION", f"stop strings need the tokenizer: {e}") from e
-            checker = StopStringChecker(tokenizer, msg.sampling.stop, msg.input_ids, trim=not msg.sampling.no_stop_trim)
         sp = msg.sampling
         if sp.constraint_kind:
             self.grammars.check_room()
+        checker = self._stop_checker(msg) if sp.stop else None
         req = self.scheduler.add_request(msg, hold=bool(sp.constraint_kind), stop_checker=checker)
         if sp.constraint_kind:
             self.grammars.submit(req, sp.constraint_kind, sp.constraint)
         self.stats.num_prompt_tokens += req.num_prompt_tokens
         return req
+
+    def _stop_checker(self, msg: AddRequest):
+        from .stop_strings import StopStringChecker, load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(self.runner.model_path)
+        except Exception as e:  # noqa: BLE001  (no tokenizer: refuse rather than ignore the stops)
+            raise AdmissionError("FAILED_PRECONDITION", f"stop strings need the tokenizer: {e}") from e
+        return StopStringChecker(tokenizer, msg.sampling.stop, msg.input_ids, trim=not msg.sampling.no_stop_trim)
 
     def _admit_compiled(self) -> None:
         """Queue the held requests whose grammar is ready; refuse those it failed for or
