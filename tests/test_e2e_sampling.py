@@ -223,6 +223,7 @@ def test_max_new_tokens_0_scores_the_prompt(grpc_stub, hf_model, story, stream):
     req = make_request(story, params=sampling(max_new_tokens=0), stream=stream)
     req.return_logprob = True
     req.logprob_start_len = 0
+    req.token_ids_logprob.extend([story[1], 13])
     msgs = generate(grpc_stub, req)
     c = completes_of(msgs)[0]
     assert list(c.output_ids) == [] and c.finish_reason == "length" and c.completion_tokens == 0
@@ -231,6 +232,10 @@ def test_max_new_tokens_0_scores_the_prompt(grpc_stub, hf_model, story, stream):
     assert list(il.token_ids) == story
     for t in range(1, len(story)):
         assert il.token_logprobs[t].value == pytest.approx(float(ref[t - 1, story[t]]), abs=2e-3)
+    # the proto's prefill-only scoring: one token_ids_logprob row at the next position, no token
+    (row,) = c.output_logprobs.token_ids_logprobs
+    assert list(row.token_ids) == [story[1], 13] and not c.output_logprobs.token_logprobs
+    assert list(row.values) == pytest.approx([float(ref[-1, story[1]]), float(ref[-1, 13])], abs=2e-3)
     assert all(not ch.token_ids for ch in chunks_of(msgs))
 
 

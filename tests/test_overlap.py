@@ -159,11 +159,18 @@ def test_a_prompt_only_request_samples_nothing_and_warms_the_cache(loaded, overl
     assert engine.stats.num_generated_tokens == 20
     assert_no_leak(engine)
 
-    # With logprobs: the prompt's, and no output row for the sample that is no output
+    # With logprobs: the prompt's, no output row for the sample that is no output, but the
+    # token_ids_logprob row at the next position (prefill-only scoring), sent once at the end
     from scheduler.messages import AddRequest
 
-    sp = SamplingParams(temperature=0.0, max_new_tokens=0, return_logprob=True, logprob_start_len=0)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=0, return_logprob=True, logprob_start_len=0,
+                        token_ids_logprob=[5, 9])
     req = engine.add_request(AddRequest("scored", prompt, sp))
+    outputs = []
     while engine.has_work():
-        engine.step()
+        outputs += engine.step().outputs
     assert req.output_logprobs.values == [] and len(req.input_logprobs.values) == len(prompt)
+    (final,) = [o for o in outputs if o.request_id == "scored" and o.finish_reason]
+    assert final.new_token_ids == [] and len(final.output_logprobs.ids_values) == 1
+    assert len(final.output_logprobs.ids_values[0]) == 2 and all(v <= 0 for v in final.output_logprobs.ids_values[0])
+    assert not [o for o in outputs if o.request_id == "scored" and o.output_logprobs and not o.finish_reason]

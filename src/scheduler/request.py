@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 
-from .messages import LogprobLists, RequestOutput, SamplingParams
+from .messages import LogprobLists, LogprobRows, RequestOutput, SamplingParams
 
 
 class Status(enum.Enum):
@@ -64,6 +64,9 @@ class Request:
         self.grammar = None  # xgrammar GrammarMatcher (structured output), set on release from hold
         # Logprobs (sampling.return_logprob): output rows in step with the output tokens.
         self.output_logprobs = LogprobLists() if sampling.return_logprob else None
+        # A prompt-only request's (max_new_tokens 0) token_ids_logprob row at the next
+        # position: the proto's prefill-only scoring answer, sent with its final output.
+        self.next_token_ids_logprobs: list[float] | None = None
         self.input_logprobs: LogprobLists | None = None
         self.input_logprob_next = -1  # next prompt position whose logits are still needed; -1: none
         self.input_logprobs_sent = False
@@ -202,6 +205,8 @@ class Request:
             out.error_code, out.error = self.error
         if self.output_logprobs is not None and new:
             out.output_logprobs = self.output_logprobs.rows(start, start + len(new), new)
+        elif self.next_token_ids_logprobs is not None and final:
+            out.output_logprobs = LogprobRows(values=[], token_ids=[], ids_values=[self.next_token_ids_logprobs])
         if self.input_logprobs is not None and not self.input_logprobs_sent and not self.needs_input_logprobs:
             if new or self.is_finished:
                 self.input_logprobs_sent = True

@@ -273,10 +273,13 @@ class Scheduler:
             was_running = req.status is Status.RUNNING
             before = req.num_output_tokens
             req.append_token(token)
+            row = logprob_rows[j] if logprob_rows is not None else None
             if req.num_output_tokens > before:  # (not for a prompt-only request)
                 appended += 1
-                if logprob_rows is not None and logprob_rows[j] is not None:
-                    req.output_logprobs.append(*logprob_rows[j])
+                if row is not None:
+                    req.output_logprobs.append(*row)
+            elif row is not None and req.sampling.token_ids_logprob:
+                req.next_token_ids_logprobs = row[3]  # prefill-only scoring: no token, one row
             if req.is_finished:
                 self.kv.commit(req)  # its full blocks stay cached for later prompts
                 # a request preempted while this step ran sits in the queue

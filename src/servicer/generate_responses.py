@@ -28,8 +28,10 @@ class _Sequence:
 
     def add(self, out: RequestOutput) -> None:
         self.output_ids.extend(out.new_token_ids)
-        if self.logprobs is not None and out.new_token_ids:
-            self.logprobs.extend(out.output_logprobs)  # (the scheduler sends rows with every token)
+        if self.logprobs is not None and out.output_logprobs is not None:
+            # rows come with every token, and a prompt-only request's one token_ids_logprob row
+            # (prefill-only scoring) with no token
+            self.logprobs.extend(out.output_logprobs)
         if out.input_logprobs is not None:
             self.input_logprobs = out.input_logprobs
 
