@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -243,7 +244,7 @@ class BatchSampler:
         ids_v = ids_v.tolist() if ids_v is not None else None
         for j, req in enumerate(reqs):
             k = req.sampling.top_logprobs_num
-            yield (
+            yield LogprobRow(
                 chosen[j],
                 top_v[j][:k] if k else [],
                 top_i[j][:k] if k else [],
@@ -252,7 +253,7 @@ class BatchSampler:
 
     def _input_logprobs(
         self, requests: list[Request], num_new_tokens: list[int], hidden: torch.Tensor
-    ) -> list[tuple[Request, tuple]]:
+    ) -> list[tuple[Request, LogprobRow]]:
         """(request, row) of the prompt logprobs of the rows computed this step, in order
         (requests that asked; :meth:`Request.input_logprob_span` says which positions)."""
         rows: list[int] = []
@@ -278,9 +279,18 @@ class BatchSampler:
         return out
 
 
+class LogprobRow(NamedTuple):
+    """One position's logprobs (the fields of ``LogprobLists.append``)."""
+
+    value: float  # of the target token (the sampled one, or the prompt's next)
+    top_values: list[float]
+    top_ids: list[int]
+    ids_values: list[float]  # of the request's token_ids_logprob
+
+
 @dataclass
 class StepLogprobs:
     """A step's logprobs, recorded by the scheduler when it takes the step's tokens."""
 
-    prompt: list[tuple[Request, tuple]] = field(default_factory=list)  # (request, row), in position order
-    output: list[tuple | None] | None = None  # per sampling request: its token's row, or None
+    prompt: list[tuple[Request, LogprobRow]] = field(default_factory=list)  # (request, row), in position order
+    output: list[LogprobRow | None] | None = None  # per sampling request: its token's row, or None

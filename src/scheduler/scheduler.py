@@ -279,7 +279,7 @@ class Scheduler:
                 if row is not None:
                     req.output_logprobs.append(*row)
             elif row is not None and req.sampling.token_ids_logprob:
-                req.next_token_ids_logprobs = row[3]  # prefill-only scoring: no token, one row
+                req.next_token_ids_logprobs = row.ids_values  # prefill-only scoring: no token, one row
             if req.is_finished:
                 self.kv.commit(req)  # its full blocks stay cached for later prompts
                 # a request preempted while this step ran sits in the queue

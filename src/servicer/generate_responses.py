@@ -40,9 +40,9 @@ class GenerateResponses:
     """Builds the responses of one Generate ``request`` whose sequences the scheduler
     knows as ``sequence_ids`` (n of them, in choice order)."""
 
-    def __init__(self, request, sequence_ids: list[str], want_logprobs: bool):
+    def __init__(self, request, sequence_ids: list[str]):
         self.request = request
-        self.sequences = {sid: _Sequence(i, want_logprobs) for i, sid in enumerate(sequence_ids)}
+        self.sequences = {sid: _Sequence(i, request.return_logprob) for i, sid in enumerate(sequence_ids)}
         self.num_unfinished = len(sequence_ids)
         sp = request.sampling_params
         # a chunk every stream_interval tokens (the first chunk of a sequence goes out at once)

@@ -69,7 +69,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))
         rid = request.request_id
         ids = await self._sequence_ids(request, context)
-        responses = GenerateResponses(request, ids, base.sampling.return_logprob)
+        responses = GenerateResponses(request, ids)
         self.children[rid] = ids
         queue: asyncio.Queue = asyncio.Queue()
         started = time.monotonic()
