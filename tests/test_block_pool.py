@@ -1,8 +1,10 @@
 """Block pool and per-request KV bookkeeping: allocation, ref counts, prefix cache, events."""
 
+import random
+
 import pytest
 
-from scheduler.block_pool import NULL_BLOCK, BlockPool, hash_block
+from scheduler.block_pool import NULL_BLOCK, BlockPool, hash_block, public_hash
 from scheduler.kv_manager import KVCacheManager
 from scheduler.messages import KvCleared, KvRemoved, KvStored, SamplingParams
 from scheduler.request import Request
@@ -118,3 +120,67 @@ def test_prefix_caching_disabled_never_hits():
     kv.commit(r)
     assert kv.find_cached_prefix(make_request("b", [1, 2, 3, 4, 5])) == []
     assert pool.take_events() == []
+
+
+def test_a_block_computed_twice_stays_cached_while_a_copy_lives():
+    """Two requests prefill the same prompt at once: both compute its blocks, the first
+    indexes them. Reusing the first's blocks must not announce the content as removed while
+    the second still holds it, or the router would orphan the second's later blocks."""
+    pool = BlockPool(num_cache_blocks=8, block_size=2)
+    kv = KVCacheManager(pool)
+    first, second = make_request("a", [5, 6, 7, 8]), make_request("b", [5, 6, 7, 8, 9, 1])
+    for r in (first, second):
+        kv.admit(r, kv.find_cached_prefix(r))  # both miss: neither has run yet
+    for r in (first, second):
+        kv.allocate(r, r.num_tokens)
+        r.num_computed_tokens = r.num_tokens
+        kv.commit(r)
+    stored = pool.take_events()
+    assert len(stored) == 3  # the shared blocks once, then the second's own block
+    assert stored[2].parent_hash == stored[1].block_hash
+    kv.free(first)
+    pool.allocate(pool.num_free_blocks)  # reuses the first's blocks (and the free ones)
+    assert pool.take_events() == []
+    hits = kv.find_cached_prefix(make_request("c", [5, 6, 7, 8, 9, 1, 4]))
+    assert hits == second.block_ids  # the whole chain is still found, through the copies
+    kv.free(second)
+    pool.allocate(3)
+    (removed,) = pool.take_events()
+    assert sorted(removed.block_hashes) == sorted(e.block_hash for e in stored)
+    assert not pool.cached and not pool.copies
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_events_replay_to_the_pool_index_under_random_traffic(seed):
+    """What a router rebuilds from the events matches what the pool can serve: every store's
+    parent is live when it arrives, every removal names a live hash, and at each point the
+    replayed set is exactly the pool's index (requests overlap, share prefixes, get freed)."""
+    rng = random.Random(seed)
+    pool = BlockPool(num_cache_blocks=16, block_size=2)
+    kv = KVCacheManager(pool)
+    prefixes = [[rng.randint(1, 9) for _ in range(24)] for _ in range(3)]
+    live, replayed = [], set()
+    for step in range(1000):
+        if live and (rng.random() < 0.2 or pool.num_free_blocks < 6):
+            kv.free(live.pop(rng.randrange(len(live))))
+        else:
+            tokens = rng.choice(prefixes)[: rng.randint(2, 24)] + [rng.randint(1, 3) for _ in range(rng.randint(0, 4))]
+            r = make_request(f"r{step}", tokens)
+            kv.admit(r, kv.find_cached_prefix(r))
+            live.append(r)
+        for r in live:  # every live request computes a little more (concurrent prefills)
+            todo = min(r.num_tokens - r.num_computed_tokens, rng.randint(0, 1))
+            if todo and kv.allocate(r, todo):
+                r.num_computed_tokens += todo
+                kv.commit(r)
+        for event in pool.take_events():
+            if isinstance(event, KvStored):
+                assert event.parent_hash is None or event.parent_hash in replayed
+                assert event.block_hash not in replayed
+                replayed.add(event.block_hash)
+            else:
+                assert set(event.block_hashes) <= replayed
+                replayed -= set(event.block_hashes)
+        assert replayed == {public_hash(d) for d in pool.cached}
+        for digest, block_id in pool.cached.items():
+            assert pool.blocks[block_id].digest == digest

@@ -6,6 +6,12 @@ Free blocks wait in ``free_queue`` in eviction order (front evicted first). A fr
 block keeps its hash, so a later request with the same prefix can take it back
 (a prefix hit) until the block is reused for something else; only then does its hash
 leave the index and a ``removed`` event go out.
+
+Two requests that compute the same block at once (neither found it cached when it was
+scheduled) hold equal copies. The first one indexed is the published holder; later ones
+are kept as ``copies``, so when the holder is reused a copy takes its place: the hash stays
+cached and the router hears no ``removed`` for content that is still here (it would drop
+the parent of every later block of the copy's request from its tree).
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_cache_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_cache_blocks))
-        self.cached: dict[bytes, int] = {}  # digest -> block id
+        self.cached: dict[bytes, int] = {}  # digest -> the block published for it
+        self.copies: dict[bytes, list[int]] = {}  # digest -> other blocks with the same content
         self.events: list[KvEvent] = []  # prefix-cache changes since the last take_events
 
     # -- capacity --------------------------------------------------------------------
@@ -113,10 +120,13 @@ class BlockPool:
 
     def cache_block(self, block_id: int, digest: bytes, parent: bytes | None, token_ids: list[int]) -> None:
         """Index a block that just became full so later requests can share it."""
-        if not self.enable_prefix_caching or digest in self.cached:
+        if not self.enable_prefix_caching:
             return
         block = self.blocks[block_id]
         block.digest = digest
+        if digest in self.cached:  # computed twice at once: already published
+            self.copies.setdefault(digest, []).append(block_id)
+            return
         self.cached[digest] = block_id
         self.events.append(
             KvStored(public_hash(digest), public_hash(parent) if parent else None, list(token_ids), self.block_size)
@@ -129,6 +139,7 @@ class BlockPool:
         for block in self.blocks:
             block.digest = None
         self.cached.clear()
+        self.copies.clear()
         self.events.append(KvCleared())
         return True
 
@@ -137,12 +148,23 @@ class BlockPool:
         return events
 
     def _forget(self, block: Block) -> None:
-        if block.digest is not None:
-            if self.cached.get(block.digest) == block.block_id:
-                del self.cached[block.digest]
-                removed = public_hash(block.digest)
-                if self.events and isinstance(self.events[-1], KvRemoved):  # consecutive removals merge
-                    self.events[-1].block_hashes.append(removed)
-                else:
-                    self.events.append(KvRemoved([removed]))
-            block.digest = None
+        """Drop a block about to be reused from the index (a copy takes over if one is left)."""
+        digest = block.digest
+        if digest is None:
+            return
+        block.digest = None
+        copies = self.copies.get(digest)
+        if self.cached[digest] != block.block_id:
+            copies.remove(block.block_id)
+        elif copies:
+            self.cached[digest] = copies.pop()
+        else:
+            del self.cached[digest]
+            removed = public_hash(digest)
+            if self.events and isinstance(self.events[-1], KvRemoved):  # consecutive removals merge
+                self.events[-1].block_hashes.append(removed)
+            else:
+                self.events.append(KvRemoved([removed]))
+            return
+        if not copies:
+            del self.copies[digest]
