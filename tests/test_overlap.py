@@ -81,6 +81,10 @@ def test_prefix_hits_under_overlap(loaded):
     first = engine.generate([prompt], GREEDY)[0]
     second = engine.generate([prompt], GREEDY)[0]
     assert second.num_cached_tokens > 0 and second.output_ids == first.output_ids
+    engine.add_request(AddRequest("never-run", prompts(1, seed=5)[0], GREEDY))
+    engine.abort("never-run")  # aborted before admission: its prompt is no cache miss
+    engine.step()
+    assert engine.load.cache_hit_rate == second.num_cached_tokens / (2 * len(prompt))
     assert_no_leak(engine)
 
 
@@ -145,6 +149,7 @@ def test_length_limit_is_not_scheduled_past(loaded):
     while engine.has_work():
         sizes.append(engine.step().batch_size)
     assert sizes == [1, 1, 0]  # prefill (samples token 1), decode (token 2), then only the take
+    assert engine.stats.steps == 2 and engine.stats.batch_size_histogram == {1: 2}  # the take is no step
     assert_no_leak(engine)
 
 

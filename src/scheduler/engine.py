@@ -73,7 +73,6 @@ class Engine:
         req = self.scheduler.add_request(msg, hold=bool(sp.constraint_kind), stop_checker=checker)
         if sp.constraint_kind:
             self.grammars.submit(req, sp.constraint_kind, sp.constraint)
-        self.stats.num_prompt_tokens += req.num_prompt_tokens
         return req
 
     def _stop_checker(self, msg: AddRequest):
@@ -131,7 +130,7 @@ class Engine:
                 self.inflight = launched
             else:
                 outputs += self._complete(launched)
-        self.stats.record_step(len(batch), batch.num_tokens)
+            self.stats.record_step(len(batch), batch.num_tokens)  # (not a step that only took tokens)
         self.refresh_load()
         outputs += self.finished_outputs()
         return StepOutput(outputs=outputs, batch_size=len(batch), load=self.load)
@@ -161,7 +160,7 @@ class Engine:
             num_used_tokens=self.pool.num_used_blocks * self.pool.block_size,
             max_total_num_tokens=self.kv.capacity_tokens,
             gen_throughput=self.throughput.rate(time.monotonic()),
-            cache_hit_rate=sched.num_cached_prompt_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0,
+            cache_hit_rate=sched.num_cached_prompt_tokens / max(sched.num_admitted_prompt_tokens, 1),
         )
 
     def flush_cache(self) -> tuple[bool, str]:

@@ -13,7 +13,6 @@ class EngineStats:
     steps: int = 0
     max_batch_size: int = 0
     max_step_tokens: int = 0
-    num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     batch_size_histogram: dict[int, int] = field(default_factory=dict)
 

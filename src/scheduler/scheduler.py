@@ -79,7 +79,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.finished: list[Request] = []  # finished since the last drain (aborts included)
         self.num_preemptions = 0
-        self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache, in all
+        # prompt tokens of first admissions, and those of them served from the prefix cache
+        self.num_admitted_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0
 
     # -- admission -------------------------------------------------------------------
     def add_request(self, msg: AddRequest, hold: bool = False, stop_checker=None) -> Request:
@@ -225,6 +227,7 @@ class Scheduler:
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_cached
                 self.num_cached_prompt_tokens += num_cached
+                self.num_admitted_prompt_tokens += req.num_prompt_tokens
             self.kv.allocate(req, n)
             req.status = Status.RUNNING
             self.running.append(req)
