@@ -189,3 +189,38 @@ def test_cache_salt_separates_prefix_cache():
     same = sched.add_request(AddRequest("c", prompt, SamplingParams(temperature=0.0, max_new_tokens=2), cache_salt="tenant-1"))
     run(sched)
     assert other.num_cached_tokens == 0 and same.num_cached_tokens == 12
+
+
+def test_requests_sharing_a_prompt_compute_it_once():
+    # n > 1 siblings (or one system prompt in a burst) arrive together: the first computes
+    # the shared blocks, the others wait a step and take them from the cache.
+    sched, pool = make_scheduler(budget=64)
+    prompt = list(range(10, 30))  # 5 blocks of 4
+    siblings = [add(sched, f"r-n{i}", prompt) for i in range(3)]
+    other = add(sched, "other", list(range(50, 60)))
+    first = sched.schedule()
+    assert [r.request_id for r in first.requests] == ["r-n0", "other"]  # the rest is passed over
+    step(sched, first, [next_token(r) for r in first.requests])
+    second = sched.schedule()
+    assert {r.request_id: n for r, n in zip(second.requests, second.num_new_tokens)} == {
+        "r-n0": 1, "other": 1, "r-n1": 4, "r-n2": 4}  # the last block holds the last token: recomputed
+    assert [r.num_cached_tokens for r in siblings] == [0, 16, 16]
+    step(sched, second, [next_token(r) for r in second.requests])
+    run(sched)
+    assert all(r.output_ids == siblings[0].output_ids for r in siblings[1:])
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_a_chunked_shared_prompt_is_waited_for_chunk_by_chunk():
+    sched, pool = make_scheduler(budget=16)
+    prompt = list(range(10, 34))  # 6 blocks: a chunk of 16, then 8 (and room for 8 more)
+    a, b = add(sched, "a", prompt), add(sched, "b", prompt)
+    admitted = []
+    while b.num_computed_tokens == 0:
+        batch = sched.schedule()
+        admitted.append([r.request_id for r in batch.requests])
+        step(sched, batch, [next_token(r) for r, n in zip(batch.requests, batch.num_new_tokens)
+                            if r.num_computed_tokens + n == r.num_tokens])
+    assert admitted[:2] == [["a"], ["a"]] and b.num_cached_tokens == 20  # not 16 and 2 blocks again
+    run(sched)
+    assert b.output_ids == a.output_ids and pool.num_free_blocks == pool.num_blocks

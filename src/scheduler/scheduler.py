@@ -208,22 +208,31 @@ class Scheduler:
                 budget -= n
                 i += 1
 
+        # Prompt blocks being computed: a waiting request whose next uncached block is one
+        # of them waits a step and takes it from the cache instead of computing it again
+        # (n > 1 siblings, a burst of requests with one system prompt).
+        in_progress = {d for r in self.running for d in self.kv.uncached_digests(r)} if self.waiting else set()
+        j = 0  # waiting[:j]: passed over until then
         while (
             not pool_short
-            and self.waiting
+            and j < len(self.waiting)
             and budget > 0
             and len(self.running) < self.config.max_running_requests
         ):
-            req = self.waiting[0]
+            req = self.waiting[j]
             if req.num_pending:  # preempted while its last token was in flight: wait for it
                 break
             cached = self.kv.find_cached_prefix(req)
+            if self.kv.next_block_in_progress(req, cached, in_progress):
+                j += 1
+                continue
             num_cached = len(cached) * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.kv.can_admit(req, cached, n):
                 break
-            self.waiting.popleft()
+            del self.waiting[j]
             self.kv.admit(req, cached)
+            in_progress.update(self.kv.uncached_digests(req))
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_cached
                 self.num_cached_prompt_tokens += num_cached
