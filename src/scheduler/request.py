@@ -196,7 +196,7 @@ class Request:
             new_token_ids=new,
             num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
-            num_output_tokens=self.num_sent_tokens,
+            num_output_tokens=self.num_output_tokens,  # generated: a trimmed stop string's tokens too
             finish_reason=self.finish_reason,
             matched_token_id=self.matched_token_id,
             matched_stop_str=self.matched_stop_str,
