@@ -52,7 +52,8 @@ class KVCacheManager:
 
     @staticmethod
     def uncached_digests(req: Request) -> list[bytes]:
-        """Digests of the prompt blocks an admitted request has yet to compute and index."""
+        """Digests of the known blocks (its prompt's, or after a preemption also its
+        output's) that an admitted request has yet to compute and index."""
         return req.block_digests[req.num_committed_blocks :]
 
     def can_admit(self, req: Request, cached: list[int], num_new_tokens: int) -> bool:
