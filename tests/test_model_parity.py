@@ -71,6 +71,14 @@ class PagedRunner:
                 outs[i].append(tok)
         return outs, first
 
+    def follow(self, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+        """Teacher-forced: the logits that predict each token of ``continuation`` after ``prompt``."""
+        table: list[int] = []
+        rows = [self.step([(prompt, 0, table)])[0]]
+        for j, token in enumerate(continuation[:-1]):
+            rows.append(self.step([([token], len(prompt) + j, table)])[0])
+        return torch.stack(rows)
+
 
 def hf_reference(hf, prompt: list[int], max_new: int):
     """HF greedy tokens and the raw logits of the prompt's last position (the first step's)."""
@@ -165,13 +173,22 @@ def test_bundled_bf16_is_as_close_to_hf_fp32_as_hf_bf16(bundled):
     outs, first = PagedRunner(ours_bf16, config, dtype=torch.bfloat16).generate(prompts, 16, set(config.eos_token_ids))
     for i, prompt in enumerate(prompts):
         ref_tokens, ref_logits = hf_reference(hf, prompt, 16)
-        _, hf_bf16_logits = hf_reference(hf_bf16, prompt, 1)
+        hf_bf16_tokens, hf_bf16_logits = hf_reference(hf_bf16, prompt, 16)
         scale = ref_logits.abs().max().item()
         ours_err = (first[i] - ref_logits).abs().max().item() / scale
         hf_err = (hf_bf16_logits - ref_logits).abs().max().item() / scale
         print(f"prompt {i}: max |logit diff| / max |logit| vs HF fp32: ours bf16 {ours_err:.3f}, HF bf16 {hf_err:.3f}")
         assert ours_err < 0.1 and ours_err < 2 * hf_err, f"prompt {i}"
-        assert _agreeing_prefix(outs[i], ref_tokens) >= 4, f"prompt {i}: {outs[i]} vs {ref_tokens}"
+        follow = PagedRunner(ours_bf16, config, dtype=torch.bfloat16).follow(prompt, ref_tokens)
+        margins = follow.max(-1).values - follow.gather(-1, torch.tensor(ref_tokens)[:, None])[:, 0]
+        # Greedy paths part at near-ties, wherever bf16 rounds (HF's own bf16 leaves fp32's path
+        # within 3-6 tokens on some prompts; ours, batched, at 2 on one CPU): instead HF fp32's
+        # whole path must stay our argmax, or within twice HF bf16's logit error of it.
+        tolerance = 2 * hf_err * scale
+        print(f"  HF fp32's path: our largest shortfall {margins.max().item():.3f} (tolerance {tolerance:.3f}); "
+              f"greedy agrees for {_agreeing_prefix(outs[i], ref_tokens)} tokens, HF bf16's for "
+              f"{_agreeing_prefix(hf_bf16_tokens, ref_tokens)}")
+        assert margins.max().item() <= tolerance, f"prompt {i}: {margins.tolist()}"
 
 
 def test_bundled_chunked_prefill_matches_hf(bundled):
