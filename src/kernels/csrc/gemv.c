@@ -5,7 +5,8 @@
  * SmolLM2 shapes, cold cache), half of what the machine streams; this kernel streams them
  * at 22-32 GB/s: each thread walks its own contiguous run of weight rows (the hardware
  * prefetcher follows it), and each row's dot products use four independent accumulators
- * so the FMA latency chain never waits on itself.
+ * so the FMA latency chain never waits on itself. Where the CPU has AVX512-BF16, the bf16
+ * build multiplies the stored bf16 values directly (gemv_rows_dpbf16).
  *
  * Layouts (row-major, contiguous; elements fp32, or bf16 in the bf16 build: elem.h):
  *   x [M, K], w [N, K], bias [N] or NULL, out [M, N];  M <= MAX_ROWS, K % 32 == 0.
