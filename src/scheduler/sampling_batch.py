@@ -38,12 +38,21 @@ INPUT_LOGPROB_SLICE = 512  # prompt rows per LM-head slice (bounds the [rows, vo
 class _SamplerState:
     """Per-request state the sampler keeps between steps (in Request.sampler_state)."""
 
-    __slots__ = ("generator", "tokens", "num_tokens")
+    __slots__ = ("generator", "tokens", "num_tokens", "bias")
 
     def __init__(self):
         self.generator: torch.Generator | None = None
         self.tokens = torch.empty(0, dtype=torch.int64)  # CPU buffer of token_ids (grown by doubling)
         self.num_tokens = 0
+        self.bias: tuple[np.ndarray, np.ndarray] | None = None  # logit_bias as (token ids, values)
+
+    def bias_arrays(self, req: Request) -> tuple[np.ndarray, np.ndarray]:
+        """The request's logit_bias as arrays, built once: a bias may name the whole
+        vocabulary, and a per-step walk over its entries would cost every request in the step."""
+        if self.bias is None:
+            bias = req.sampling.logit_bias
+            self.bias = (np.fromiter(bias.keys(), np.int64, len(bias)), np.fromiter(bias.values(), np.float32, len(bias)))
+        return self.bias
 
     def token_buffer(self, req: Request) -> torch.Tensor:
         """``req.token_ids`` as a CPU int64 tensor, updated with the tokens added since the last call."""
@@ -150,7 +159,7 @@ class BatchSampler:
         dev, vocab = self.device, self.vocab_size
         temperature, top_p, top_k, min_p = [], [], [], []
         pen_rows, rep, freq, pres, out_tokens, prompt_tokens = [], [], [], [], [], []
-        bias_rows, bias_cols, bias_vals = [], [], []
+        biased: list[tuple[int, tuple[np.ndarray, np.ndarray]]] = []  # (row, (token ids, values))
         ban_rows = []  # rows whose stop ids min_new_tokens bans
         seeded, grammar_rows = [], []
         any_min_p = False
@@ -170,10 +179,7 @@ class BatchSampler:
                 out_tokens.append(buf[req.num_prompt_tokens :])
                 prompt_tokens.append(buf[: req.num_prompt_tokens])
             if sp.logit_bias:
-                for tok, val in sp.logit_bias.items():
-                    bias_rows.append(i)
-                    bias_cols.append(tok)
-                    bias_vals.append(val)
+                biased.append((i, _state(req).bias_arrays(req)))
             if req.num_output_tokens + req.num_pending < sp.min_new_tokens and req.stop_ids:
                 ban_rows.append(i)
             if sp.seed is not None and not sp.greedy:
@@ -184,7 +190,7 @@ class BatchSampler:
                 seeded.append((i, st.generator))
             if req.grammar is not None:
                 grammar_rows.append(i)
-        if not (pen_rows or bias_rows or ban_rows or seeded or grammar_rows or any_min_p):
+        if not (pen_rows or biased or ban_rows or seeded or grammar_rows or any_min_p):
             # The common cases need no parameter tensors but (fused) the temperatures, copied
             # without waiting for the GPU.
             greedy = [r.sampling.greedy for r in reqs]
@@ -209,9 +215,12 @@ class BatchSampler:
             ban_rows = [i for i in ban_rows if reqs[i].grammar is None or not allows_only(bitmask, i, reqs[i].stop_ids)]
         if pen_rows:
             extra["penalties"] = Penalties.build(pen_rows, rep, freq, pres, out_tokens, prompt_tokens, vocab, dev)
-        if bias_rows:
-            index = self.upload(np.array([bias_rows, bias_cols], dtype=np.int64))
-            extra["bias"] = (index[0], index[1], self.upload(np.array(bias_vals, dtype=np.float32)))
+        if biased:
+            index = self.upload(np.stack([
+                np.concatenate([np.full(len(ids), i, dtype=np.int64) for i, (ids, _) in biased]),
+                np.concatenate([ids for _, (ids, _) in biased]),
+            ]))
+            extra["bias"] = (index[0], index[1], self.upload(np.concatenate([vals for _, (_, vals) in biased])))
         if ban_rows:
             banned = [(i, tok) for i in ban_rows for tok in reqs[i].stop_ids]  # (row, token) pairs
             index = self.upload(np.array(banned, dtype=np.int64).T)
