@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from helpers import SCHEDULER_SERVICE, Daemon, _group_members
+from helpers import SCHEDULER_SERVICE, Daemon, _group_members, child_pids
 
 VOCAB_SIZE = 49152
 CONTEXT_LENGTH = 8192
@@ -757,6 +757,47 @@ def test_sigterm_drains_in_flight_requests(tmp_path, target):
         while _group_members(d.proc.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _group_members(d.proc.pid), "a daemon process outlived the SIGTERM"
+
+
+def test_requests_cut_off_by_shutdown_end_unavailable(tmp_path):
+    """Past the grace period an in-flight call ends with UNAVAILABLE (the router retries it on
+    another worker), not with a truncated answer that looks complete; the daemon still exits 0."""
+    from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+    with Daemon(max_running_requests=4, kv_cache_tokens=4096, log_dir=tmp_path,
+                extra_args=["--shutdown-grace-period", "0.5"]) as d:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = pb_grpc.SglangSchedulerStub(ch)
+            req = make_request([6403, 1980, 253, 655], max_new_tokens=3000, ignore_eos=True, stream=True)
+            call = stub.Generate(req, timeout=RPC_TIMEOUT)
+            assert next(call).WhichOneof("response") == "chunk"
+            os.kill(d.proc.pid, signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as ei:
+                for _ in call:
+                    pass
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, ei.value
+            assert "shutting down" in ei.value.details()
+        assert d.proc.wait(timeout=60) == 0, d.log_tail()
+
+
+def test_a_scheduler_dying_while_draining_still_exits_1(tmp_path):
+    from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+    with Daemon(max_running_requests=4, kv_cache_tokens=4096, log_dir=tmp_path) as d:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = pb_grpc.SglangSchedulerStub(ch)
+            req = make_request([6403, 1980, 253, 655], max_new_tokens=3000, ignore_eos=True, stream=True)
+            call = stub.Generate(req, timeout=RPC_TIMEOUT)
+            assert next(call).WhichOneof("response") == "chunk"
+            os.kill(d.proc.pid, signal.SIGTERM)  # draining: the stream goes on
+            assert next(call).WhichOneof("response") == "chunk"
+            for pid in child_pids(d.proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as ei:
+                for _ in call:
+                    pass
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert d.proc.wait(timeout=60) == 1, d.log_tail()
 
 
 @pytest.mark.parametrize("service", ["", SCHEDULER_SERVICE])

@@ -93,9 +93,10 @@ class Engine:
         for req, code, message in done.refused:
             self.scheduler.reject(req, code, message)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, error: tuple[str, str] | None = None) -> bool:
+        """``error``: (gRPC status name, message) to end the request with instead of a plain abort."""
         self.grammars.cancel(request_id)
-        return self.scheduler.abort(request_id)
+        return self.scheduler.abort(request_id, error)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None or bool(self.grammars)

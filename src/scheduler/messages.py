@@ -69,6 +69,9 @@ class AddRequest(msgspec.Struct, tag=True):
 class AbortRequest(msgspec.Struct, tag=True):
     request_id: str
     reason: str = ""
+    # None: the request ends normally with finish reason "abort" (a client's Abort, a client
+    # gone); a gRPC status name: it ends with that error, ``reason`` its message (shutdown)
+    error_code: str | None = None
 
 
 class ControlRequest(msgspec.Struct, tag=True):

@@ -185,7 +185,7 @@ class SchedulerLoop:
                 if err is not None:
                     refused.append(err)
             elif isinstance(msg, AbortRequest):
-                self.engine.abort(msg.request_id)
+                self.engine.abort(msg.request_id, (msg.error_code, msg.reason) if msg.error_code else None)
             elif isinstance(msg, ControlRequest):
                 reply = self._control(msg)
                 self._publish_kv_events()  # e.g. a flush's "cleared": streamed before the reply

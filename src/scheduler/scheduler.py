@@ -140,12 +140,13 @@ class Scheduler:
         req.finish("abort")
         self._retire(req)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, error: tuple[str, str] | None = None) -> bool:
         req = self.requests.get(request_id)
         if req is None:
             return False
         if self.held.pop(request_id, None) is None:
             (self.running if req.status is Status.RUNNING else self.waiting).remove(req)
+        req.error = error
         req.finish("abort")
         self._retire(req)
         return True

@@ -277,13 +277,14 @@ class SchedulerClient:
         self.abort(request_id, reason)
         route.state = _Route.CANCELLED
 
-    def abort(self, request_id: str, reason: str = "") -> bool:
+    def abort(self, request_id: str, reason: str = "", error_code: str | None = None) -> bool:
         """Ask the scheduler to drop a request and free its KV; False if unknown here,
-        already cancelled, or already finished."""
+        already cancelled, or already finished. With ``error_code`` (a gRPC status name)
+        the call ends with that status and ``reason``, not with finish reason "abort"."""
         route = self._routes.get(request_id)
         if route is None or route.state is not _Route.OPEN or not self.alive:
             return False
-        self.to_scheduler.send(to_scheduler_encoder.encode(AbortRequest(request_id, reason)))
+        self.to_scheduler.send(to_scheduler_encoder.encode(AbortRequest(request_id, reason, error_code)))
         return True
 
     async def call(self, method: str, timeout: float = 5.0, **args) -> ControlReply:

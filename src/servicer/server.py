@@ -155,6 +155,9 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
             exit_code = 1
         else:
             await _drain(client, health, server_config.shutdown_grace_s, abort_now)
+            if client.died.is_set():  # while draining: still a failure for a supervisor to see
+                logger.error("scheduler failed while draining: %s", client.dead_reason)
+                exit_code = 1
         return exit_code
     finally:
         health.shutting_down = True
@@ -193,8 +196,9 @@ async def _drain(client: SchedulerClient, health: HealthState, grace_s: float, a
     if client.num_in_flight:
         logger.warning("aborting %d request(s) still in flight", client.num_in_flight)
     for rid in client.in_flight_ids():
-        client.abort(rid, "server shutting down")
-    # Give aborted streams a moment to deliver their final "abort" Complete.
+        # UNAVAILABLE, not a truncated answer that looks complete: the router retries it elsewhere
+        client.abort(rid, "the server is shutting down; retry on another worker", error_code="UNAVAILABLE")
+    # Give aborted calls a moment to end with their status.
     deadline = time.monotonic() + 2.0
     while client.num_in_flight and time.monotonic() < deadline and client.alive:
         await asyncio.sleep(0.05)
