@@ -222,8 +222,10 @@ def scenario_expired_cursor():
     from servicer.kv_events import KvEventHub
 
     async def test(client, hub, stub, spb):
+        live = await subscribe(stub, hub, spb)
         for h in range(1, 11):
             client.kv_event_listener(one_block_batch(h * 100))
+        assert [(await next_real(live)).sequence_number for _ in range(10)] == list(range(1, 11))
         assert [b.sequence_number for b in hub.history] == [7, 8, 9, 10]
         call = await subscribe(stub, hub, spb, start=6)  # oldest kept is 7: still complete
         assert [(await next_real(call)).sequence_number for _ in range(4)] == [7, 8, 9, 10]
@@ -232,8 +234,30 @@ def scenario_expired_cursor():
             await stub.SubscribeKvEvents(spb.SubscribeKvEventsRequest(start_sequence_number=5)).read()
         assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
         assert "resubscribe from 0" in e.value.details()
+        live.cancel()
 
     run_with_server(test, KvEventHub(history=4))
+
+
+def scenario_cursor_from_before_a_restart():
+    async def test(client, hub, stub, spb):
+        # A restarted daemon numbers from 1 again and publishes before the router reconnects:
+        # the router's old cursor 7 is within the new numbers but was never sent by this run.
+        for h in range(1, 11):
+            client.kv_event_listener(one_block_batch(h * 100))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.SubscribeKvEvents(spb.SubscribeKvEventsRequest(start_sequence_number=7)).read()
+        assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE and "restarted" in e.value.details()
+        fresh = await subscribe(stub, hub, spb, start=0)  # what the router does next
+        client.kv_event_listener(one_block_batch(1100))
+        assert (await next_real(fresh)).sequence_number == 11
+        again = await subscribe(stub, hub, spb, start=11)  # a cursor this run sent: accepted
+        client.kv_event_listener(one_block_batch(1200))
+        assert (await next_real(again)).sequence_number == 12
+        fresh.cancel()
+        again.cancel()
+
+    run_with_server(test)
 
 
 def scenario_data_loss():
@@ -312,6 +336,10 @@ def test_sequence_numbers_replay_and_cursor_rules():
 
 def test_expired_cursor_is_out_of_range():
     isolated("expired_cursor")
+
+
+def test_a_cursor_from_before_a_restart_is_out_of_range():
+    isolated("cursor_from_before_a_restart")
 
 
 def test_overflowing_subscriber_gets_data_loss():

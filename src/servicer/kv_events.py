@@ -146,6 +146,9 @@ class KvEventHub:
         self.history: deque[common_pb2.KvEventBatch] = deque(maxlen=history)
         self.queue_size = queue_size
         self.last_seq = 0
+        # The highest batch number streamed to any subscriber: a cursor above it cannot come
+        # from this run (numbers restart at 1 with the daemon), however many batches it published.
+        self.sent_seq = 0
         self.subscribers: set[_Subscriber] = set()
         self._event_ids = itertools.count(1)
 
@@ -170,10 +173,10 @@ class KvEventHub:
         """Register a subscriber; returns it with the batches to replay first (seq > start)."""
         replay: list[common_pb2.KvEventBatch] = []
         if start:
-            if start > self.last_seq:
+            if start > self.sent_seq:
                 raise CursorOutOfRange(
-                    f"cursor {start} is beyond the last KV event batch {self.last_seq} "
-                    "(the server restarted?); resubscribe from 0"
+                    f"cursor {start} is beyond the last KV event batch this server run sent ({self.sent_seq}; "
+                    "the server restarted?); resubscribe from 0"
                 )
             oldest = self.history[0].sequence_number if self.history else self.last_seq + 1
             if start < oldest - 1:
@@ -213,6 +216,7 @@ class KvEventHub:
                 yield self._with_load(batch, loads.record(load_only=False, telemetry=first))
                 first = False
                 last_seq = batch.sequence_number
+                self.sent_seq = max(self.sent_seq, last_seq)
                 last_sent = time.monotonic()
             while True:
                 if sub.overflowed:
@@ -233,6 +237,7 @@ class KvEventHub:
                     yield self._with_load(batch, loads.record(load_only=False, telemetry=first))
                     first = False
                     last_seq = batch.sequence_number
+                    self.sent_seq = max(self.sent_seq, last_seq)
                     last_sent, unchanged_heartbeats = now, 0
                     continue
                 if last_seq == 0 and not request.load_records_before_first_batch:
