@@ -160,8 +160,10 @@ def test_padded_decode_batch():
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
 
 
-def test_trailing_unused_query_rows():
-    """T larger than query_start_loc[-1] (a padded token buffer): extra rows are left alone."""
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_trailing_unused_query_rows(num_splits):
+    """T larger than query_start_loc[-1] (a padded token buffer): extra rows are left alone,
+    also by the split-KV combine (its partials for them are never written)."""
     gen = torch.Generator().manual_seed(4)
     tables, bt, qsl, seq = _batch([3], [3], 4, gen)
     kc = torch.randn(4, BLOCK_SIZE, 1, 64, generator=gen)
@@ -170,7 +172,7 @@ def test_trailing_unused_query_rows():
     meta = ref_attn.AttentionMetadata.build([3], [3], tables, BLOCK_SIZE)
     ref = ref_attn.paged_attention(q[:3], kc, vc, meta, 0.125)
     out = torch.full_like(q, 7.0)
-    triton_attention.unified_attention(q, kc, vc, bt, qsl, seq, 0.125, out=out)
+    triton_attention.unified_attention(q, kc, vc, bt, qsl, seq, 0.125, out=out, num_splits=num_splits)
     torch.testing.assert_close(out[:3], ref, **TOL[torch.float32])
     assert torch.all(out[3:] == 7.0)
 
@@ -322,7 +324,7 @@ for dt, g, bm, tn in (("bf16", 4, 16, 16), ("bf16", 4, 64, 32), ("fp16", 1, 64, 
                                       HEAD_DIM=128, HEAD_PAD=128, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
                                       NUM_SPLITS=splits), pdl)
     for pdl in (False, True):
-        compile(combine, dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr="*" + dt),
+        compile(combine, dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr="*" + dt, query_start_loc_ptr="*i64"),
                 dict(H=16, NUM_SPLITS=8, HEAD_DIM=128, HEAD_PAD=128), pdl)
     if dt != "fp32":
         assert "wgmma" in k.asm["ptx"] or "mma.sync" in k.asm["ptx"], "attention dots must use tensor cores"

@@ -157,7 +157,8 @@ def test_padded_decode_through_static_buffers_matches_eager():
     torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(padded).all()  # the pad row (no keys) is zeros through attention, never NaN
     for (ka, va), (kb, vb) in zip(kv_a, kv_b):  # the pad row stored nothing
-        torch.testing.assert_close(ka, kb) and torch.testing.assert_close(va, vb)
+        torch.testing.assert_close(ka, kb)
+        torch.testing.assert_close(va, vb)
 
 
 # -- fused temperature sampling --------------------------------------------------------------

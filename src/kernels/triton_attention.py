@@ -182,9 +182,9 @@ def _kernels():
             o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
             tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_seqs"])
     def _combine_splits_kernel(
-        part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
+        part_acc_ptr, part_ml_ptr, out_ptr, query_start_loc_ptr, num_seqs, stride_ot, stride_oh,
         H: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
         PDL: tl.constexpr,
     ):
@@ -193,18 +193,23 @@ def _kernels():
             gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
+        # Rows past the last request's queries have no partials (never written): leave them.
+        num_rows = tl.load(query_start_loc_ptr + num_seqs)
         splits = tl.arange(0, NUM_SPLITS)
         dims = tl.arange(0, HEAD_PAD)
+        split_ok = t + splits * 0 < num_rows  # (masks as tensors: the interpreter refuses a scalar one)
         base = (t * H + h) * NUM_SPLITS
-        m = tl.load(part_ml_ptr + (base + splits) * 2)
-        l = tl.load(part_ml_ptr + (base + splits) * 2 + 1)
+        m = tl.load(part_ml_ptr + (base + splits) * 2, mask=split_ok, other=float("-inf"))
+        l = tl.load(part_ml_ptr + (base + splits) * 2 + 1, mask=split_ok, other=0.0)
         m_max = tl.max(m, 0)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
         w = tl.where(l > 0.0, tl.exp2(m - m_max), 0.0)  # empty splits (no keys) weigh nothing
-        acc = tl.load(part_acc_ptr + (base + splits)[:, None] * HEAD_PAD + dims[None, :])
+        acc = tl.load(part_acc_ptr + (base + splits)[:, None] * HEAD_PAD + dims[None, :], mask=split_ok[:, None],
+                      other=0.0)
         total = tl.sum(l * w, 0)
         out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-        tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+        tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+                 mask=(dims < HEAD_DIM) & (t + dims * 0 < num_rows))
 
     return _unified_attention_kernel, _combine_splits_kernel
 
@@ -330,6 +335,6 @@ def unified_attention(
         **extra,
     )
     if num_splits > 1:
-        combine[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1),
+        combine[(T, H)](part_acc, part_ml, out, query_start_loc, B, out.stride(0), out.stride(1),
                         H=H, NUM_SPLITS=num_splits, HEAD_DIM=D, HEAD_PAD=head_pad, PDL=pdl, **pdl_launch)
     return out
