@@ -337,7 +337,7 @@ compile(rot, dict(bf, cos_ptr="*fp32", sin_ptr="*fp32"), dict(NUM_HEADS=32, HALF
 for norm, pdl in ((False, False), (True, False), (True, True)):
     compile(qkv, dict(qkv_ptr="*bf16", q_out_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", slot_ptr="*i64",
                       cos_ptr="*fp32", sin_ptr="*fp32", qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32"),
-            dict(H=16, KVH=8, H_PAD=16, KVH_PAD=8, HALF=64, BLOCK_SIZE=16, HAS_NORM=norm), pdl)
+            dict(H=16, KVH=8, H_PAD=16, KVH_PAD=8, HALF=64, HALF_PAD=64, BLOCK_SIZE=16, HAS_NORM=norm), pdl)
 compile(silu, dict(x_ptr="*bf16", out_ptr="*bf16"), dict(BLOCK=1024))
 from kernels import triton_gemv as tg
 for dt in ("bf16", "fp16"):

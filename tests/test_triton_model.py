@@ -35,9 +35,10 @@ from scheduler.models import build_model  # noqa: E402
 
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_qkv_rope_store_matches_reference(qk_norm, dtype):
+@pytest.mark.parametrize("D", [32, 80])  # 80: half a head is no power of two (padded, masked)
+def test_qkv_rope_store_matches_reference(qk_norm, dtype, D):
     g = torch.Generator().manual_seed(0)
-    T, H, KVH, D, bs, nb = 5, 6, 2, 32, 16, 8
+    T, H, KVH, bs, nb = 5, 6, 2, 16, 8
     qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(dtype)
     table = ref_rotary.rope_cos_sin(D, 128, 10000.0)
     positions = torch.tensor([0, 3, 17, 40, 99])
@@ -66,9 +67,9 @@ TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, eos_token_id=None)
 
 
-def tiny_model(family: str) -> LoadedModel:
+def tiny_model(family: str, head_dim: int = 32) -> LoadedModel:
     cls = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}[family]
-    hf_config = cls(**TINY, **({"head_dim": 32} if family == "qwen3" else {}))
+    hf_config = cls(**TINY, **({"head_dim": head_dim} if family == "qwen3" else {}))
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -88,9 +89,10 @@ def engine(loaded: LoadedModel, backend: str, small_batch_gemv: bool = False) ->
     return Engine(config, ModelRunner(config, loaded))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_triton_backend_generates_like_torch_backend(family):
-    loaded = tiny_model(family)
+@pytest.mark.parametrize("family, head_dim", [("qwen3", 32), ("llama", 16), ("qwen3", 80)],
+                         ids=["qwen3", "llama", "qwen3-head_dim-80"])
+def test_triton_backend_generates_like_torch_backend(family, head_dim):
+    loaded = tiny_model(family, head_dim)
     g = torch.Generator().manual_seed(1)
     shared = torch.randint(1, 300, (37,), generator=g).tolist()
     prompts = [shared + [5, 6], torch.randint(1, 300, (70,), generator=g).tolist(), [9], shared + [7]]

@@ -120,30 +120,31 @@ def _kernels():
         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
         eps,
         H: tl.constexpr, KVH: tl.constexpr, H_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
-        HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+        HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
         PDL: tl.constexpr,  # launched as a programmatic dependent (kernels/triton_gemv.py): wait first
     ):
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
-        dims = tl.arange(0, HALF)
+        dims = tl.arange(0, HALF_PAD)  # (head_dim 80 or 96: half a head padded to a power of two)
+        dim_ok = dims < HALF
         ty = q_out_ptr.dtype.element_ty
-        cos = tl.load(cos_ptr + t * stride_ct + dims)[None, :]
-        sin = tl.load(sin_ptr + t * stride_st + dims)[None, :]
+        cos = tl.load(cos_ptr + t * stride_ct + dims, mask=dim_ok, other=0.0)[None, :]
+        sin = tl.load(sin_ptr + t * stride_st + dims, mask=dim_ok, other=0.0)[None, :]
         row = qkv_ptr + t * stride_t
         D: tl.constexpr = 2 * HALF
 
         # q: [H, D] = heads 0..H-1 of the row
         qh = tl.arange(0, H_PAD)
-        qm = (qh < H)[:, None]
+        qm = (qh < H)[:, None] & dim_ok[None, :]
         q1 = tl.load(row + qh[:, None] * D + dims[None, :], mask=qm, other=0.0)
         q2 = tl.load(row + qh[:, None] * D + HALF + dims[None, :], mask=qm, other=0.0)
         if HAS_NORM:
             q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
             rstd = 1.0 / tl.sqrt((tl.sum(q1f * q1f, 1) + tl.sum(q2f * q2f, 1)) / D + eps)[:, None]
-            w1 = tl.load(qw_ptr + dims).to(tl.float32)[None, :]
-            w2 = tl.load(qw_ptr + HALF + dims).to(tl.float32)[None, :]
+            w1 = tl.load(qw_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+            w2 = tl.load(qw_ptr + HALF + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
             q1 = ((q1f * rstd).to(ty).to(tl.float32) * w1).to(ty)
             q2 = ((q2f * rstd).to(ty).to(tl.float32) * w2).to(ty)
         q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
@@ -156,15 +157,15 @@ def _kernels():
             block = slot // BLOCK_SIZE
             pos = slot % BLOCK_SIZE
             kh = tl.arange(0, KVH_PAD)
-            km = (kh < KVH)[:, None]
+            km = (kh < KVH)[:, None] & dim_ok[None, :]
             kbase = row + (H + kh[:, None]) * D + dims[None, :]
             k1 = tl.load(kbase, mask=km, other=0.0)
             k2 = tl.load(kbase + HALF, mask=km, other=0.0)
             if HAS_NORM:
                 k1n, k2n = k1.to(tl.float32), k2.to(tl.float32)
                 k_rstd = 1.0 / tl.sqrt((tl.sum(k1n * k1n, 1) + tl.sum(k2n * k2n, 1)) / D + eps)[:, None]
-                kw1 = tl.load(kw_ptr + dims).to(tl.float32)[None, :]
-                kw2 = tl.load(kw_ptr + HALF + dims).to(tl.float32)[None, :]
+                kw1 = tl.load(kw_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+                kw2 = tl.load(kw_ptr + HALF + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
                 k1 = ((k1n * k_rstd).to(ty).to(tl.float32) * kw1).to(ty)
                 k2 = ((k2n * k_rstd).to(ty).to(tl.float32) * kw2).to(ty)
             k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
@@ -285,7 +286,7 @@ def qkv_rope_store(
     qkv = qkv.reshape(T, -1)  # a lone row's stride is arbitrary (1 on the CPU): a view with the usual one
     d = k_cache.shape[-1]
     assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * d and qkv.stride(1) == 1
-    assert d % 2 == 0 and _next_pow2(d // 2) == d // 2, "head_dim/2 must be a power of two"
+    assert d % 2 == 0, "rotary embedding pairs the halves of a head: head_dim must be even"
     q = torch.empty((T, num_heads, d), dtype=qkv.dtype, device=qkv.device)
     if T == 0:
         return q
@@ -299,7 +300,7 @@ def qkv_rope_store(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         float(eps),
         H=num_heads, KVH=num_kv_heads, H_PAD=_next_pow2(num_heads), KVH_PAD=_next_pow2(num_kv_heads),
-        HALF=d // 2, BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm, PDL=pdl,
+        HALF=d // 2, HALF_PAD=_next_pow2(d // 2), BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm, PDL=pdl,
         **({"launch_pdl": True} if pdl else {}),  # only when set: HIP has no such option
     )
     return q
