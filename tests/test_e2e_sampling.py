@@ -5,6 +5,7 @@ transformers' logits on the same tokens, stop strings, stream_interval."""
 from __future__ import annotations
 
 import os
+import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -90,6 +91,15 @@ def test_n_seeded_choices_differ(grpc_stub, story):
     assert len(cs) == 2 and list(cs[0].output_ids) != list(cs[1].output_ids)
     again = generate(grpc_stub, make_request(story, params=seeded(5, max_new_tokens=12, temperature=1.0, n=2, ignore_eos=True)))
     assert [list(c.output_ids) for c in sorted(completes_of(again), key=lambda c: c.index)] == [list(c.output_ids) for c in cs]
+
+
+def test_n_sequences_compute_their_prompt_once(grpc_stub):
+    """n > 1 arrives as n sequences at once: the first computes the prompt, the others wait a
+    step and take its blocks from the prefix cache (all but the block holding the last token)."""
+    prompt = random.Random(7).choices(range(1000, 40000), k=100)  # cached nowhere yet
+    msgs = generate(grpc_stub, make_request(prompt, params=seeded(3, max_new_tokens=4, temperature=1.0, n=4)))
+    cached = sorted(c.cached_tokens for c in completes_of(msgs))
+    assert cached == [0, 96, 96, 96], cached
 
 
 def test_top_k_1_equals_greedy(grpc_stub, story):
