@@ -27,28 +27,27 @@ class KVCacheManager:
             parent = req.block_digests[-1] if req.block_digests else None
             req.block_digests.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs], req.hash_extra))
 
-    def _reusable_digests(self, req: Request) -> list[bytes]:
-        """The digests of the request's blocks it may take from the cache. At least the
-        last token is always left to compute, so it still produces logits."""
+    def _num_reusable_blocks(self, req: Request) -> int:
+        """How many of the request's leading blocks it may take from the cache (their digests
+        made): at least the last token is always left to compute, so it still produces logits."""
         self._update_digests(req, req.num_tokens - 1)
         limit = req.num_tokens - 1
         if req.prefix_cache_limit is not None:  # prompt logprobs need those positions' logits
             limit = min(limit, req.prefix_cache_limit)
-        return req.block_digests[: limit // self.block_size]
+        return limit // self.block_size
 
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Cached blocks for the request's longest known prefix."""
         if not self.pool.enable_prefix_caching:
             return []
-        return self.pool.lookup(self._reusable_digests(req))
+        return self.pool.lookup(req.block_digests[: self._num_reusable_blocks(req)])
 
     def next_block_in_progress(self, req: Request, cached: list[int], in_progress: set[bytes]) -> bool:
-        """Whether the block after ``req``'s cached prefix is one that another request is
-        computing (``in_progress``: see :meth:`uncached_digests`): it is cached a step later."""
-        if not in_progress:
-            return False
-        digests = self._reusable_digests(req)
-        return len(cached) < len(digests) and digests[len(cached)] in in_progress
+        """Whether the block after ``req``'s cached prefix (``find_cached_prefix``) is one that
+        another request is computing (``in_progress``: see :meth:`uncached_digests`): it is
+        cached a step later."""
+        i = len(cached)
+        return i < self._num_reusable_blocks(req) and req.block_digests[i] in in_progress
 
     @staticmethod
     def uncached_digests(req: Request) -> list[bytes]:

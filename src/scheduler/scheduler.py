@@ -209,10 +209,10 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        # Prompt blocks being computed: a waiting request whose next uncached block is one
-        # of them waits a step and takes it from the cache instead of computing it again
-        # (n > 1 siblings, a burst of requests with one system prompt).
-        in_progress = {d for r in self.running for d in self.kv.uncached_digests(r)} if self.waiting else set()
+        # Blocks being computed (made when a waiting request is first looked at): a waiting
+        # request whose next uncached block is one of them waits a step and takes it from the
+        # cache instead of computing it again (n > 1 siblings, a burst with one system prompt).
+        in_progress: set[bytes] | None = None
         j = 0  # waiting[:j]: passed over until then
         while (
             not pool_short
@@ -224,7 +224,9 @@ class Scheduler:
             if req.num_pending:  # preempted while its last token was in flight: wait for it
                 break
             cached = self.kv.find_cached_prefix(req)
-            if self.kv.next_block_in_progress(req, cached, in_progress):
+            if in_progress is None:
+                in_progress = {d for r in self.running for d in self.kv.uncached_digests(r)}
+            if in_progress and self.kv.next_block_in_progress(req, cached, in_progress):
                 j += 1
                 continue
             num_cached = len(cached) * self.kv.block_size

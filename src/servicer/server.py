@@ -127,7 +127,6 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
 
-    exit_code = 0
     try:
         startup = asyncio.create_task(_start_engine(client))
         stop_wait = asyncio.create_task(stop_requested.wait())
@@ -150,15 +149,12 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         watchdog = asyncio.create_task(_watchdog(client, server_config.watchdog_timeout_s))
         await asyncio.wait([died, stop_wait], return_when=asyncio.FIRST_COMPLETED)
         watchdog.cancel()
-        if client.died.is_set():
-            logger.error("scheduler failed: %s; exiting so a supervisor can restart us", client.dead_reason)
-            exit_code = 1
-        else:
+        if not client.died.is_set():
             await _drain(client, health, server_config.shutdown_grace_s, abort_now)
-            if client.died.is_set():  # while draining: still a failure for a supervisor to see
-                logger.error("scheduler failed while draining: %s", client.dead_reason)
-                exit_code = 1
-        return exit_code
+        if client.died.is_set():  # before or while draining
+            logger.error("scheduler failed: %s; exiting so a supervisor can restart us", client.dead_reason)
+            return 1
+        return 0
     finally:
         health.shutting_down = True
         await server.stop(grace=1.0)
