@@ -25,16 +25,17 @@ def test_linear_matches_f_linear(rows, with_bias, columns):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_few_rows_linear_matches_f_linear(dtype, rows, with_bias):
+@pytest.mark.parametrize("outputs", [1000, 1003, 3])  # whole blocks of 4 weight rows; a tail; only a tail
+def test_few_rows_linear_matches_f_linear(dtype, rows, with_bias, outputs):
     """The native few-row kernel (csrc/gemv.c), which ``linear`` takes for <= 4 rows."""
     if cpu_kernels.load_library("gemv", dtype) is None:
         pytest.skip("no C compiler: native kernel unavailable")
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 576, generator=g).to(dtype)
-    w = torch.randn(1000, 576, generator=g).to(dtype)
-    b = torch.randn(1000, generator=g).to(dtype) if with_bias else None
+    w = torch.randn(outputs, 576, generator=g).to(dtype)
+    b = torch.randn(outputs, generator=g).to(dtype) if with_bias else None
     out = cpu_kernels.few_rows_linear(x, w, b)
-    assert out is not None and out.dtype == dtype and out.shape == (rows, 1000)
+    assert out is not None and out.dtype == dtype and out.shape == (rows, outputs)
     # The reference in fp32 on the same values: both accumulate in fp32 and round once.
     expected = F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else {}
