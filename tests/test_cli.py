@@ -68,7 +68,8 @@ def test_kernel_and_schedule_flags():
 
 @pytest.mark.parametrize(
     "argv",
-    [["--kv-cache-memory", "lots"], ["--max-running-requests", "0"],
+    [["--kv-cache-memory", "lots"], ["--kv-cache-memory", "1e400"], ["--kv-cache-memory=-2GiB"],
+     ["--kv-cache-memory", "0.5"], ["--max-running-requests", "0"],
      ["--kv-cache-tokens", "10", "--kv-cache-memory", "1GiB"], ["--overlap-schedule", "maybe"],
      ["--port", "70000"], ["--port", "-1"], ["--max-model-len", "0"], ["--num-threads", "0"],
      ["--kv-cache-tokens", "-100"], ["--dtype", "int8"], ["--max-logprobs", "-1"], ["--max-queued-requests", "-1"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 
@@ -43,4 +45,7 @@ def parse_memory_size(text: str) -> int:
     unit = s[len(num):]
     if not num or unit not in units:
         raise ValueError(f"cannot read memory size {text!r} (try e.g. 2GiB or 512MiB)")
-    return int(float(num) * units[unit])
+    size = float(num) * units[unit]
+    if not (math.isfinite(size) and size >= 1):
+        raise ValueError(f"memory size {text!r} must be a positive number of bytes (e.g. 2GiB)")
+    return int(size)

@@ -95,22 +95,20 @@ def model_info(engine, config: EngineConfig) -> dict:
 class HeartbeatThread(threading.Thread):
     """Proves the process is alive even while a long step holds the main loop."""
 
-    def __init__(self, engine, ctx: zmq.Context, outbox_addr: str, loop: "SchedulerLoop"):
+    def __init__(self, ctx: zmq.Context, outbox_addr: str, loop: "SchedulerLoop"):
         super().__init__(name="heartbeat", daemon=True)
-        self.engine = engine
         self.loop = loop
         self.socket = ctx.socket(zmq.PUSH)  # zmq sockets are not thread-safe: its own
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(outbox_addr)
 
+    def current(self) -> Heartbeat:
+        load, started = self.loop.beat  # one read: see SchedulerLoop.beat
+        return Heartbeat(load, time.monotonic() - started if started else 0.0)
+
     def run(self) -> None:
         while True:
-            # the load first: a step ending between the two reads then gives in_step 0, never
-            # that step's time with the load it ends with (which the servicer would keep)
-            load = self.engine.load
-            started = self.loop.step_started
-            in_step = time.monotonic() - started if started else 0.0
-            self.socket.send(from_scheduler_encoder.encode(Heartbeat(load, in_step)))
+            self.socket.send(from_scheduler_encoder.encode(self.current()))
             time.sleep(HEARTBEAT_S)
 
 
@@ -121,7 +119,11 @@ class SchedulerLoop:
         self.outbox = outbox
         self.poller = zmq.Poller()
         self.poller.register(inbox, zmq.POLLIN)
-        self.step_started = 0.0  # monotonic start of the running step, 0 between steps
+        # What the heartbeat reports: (load, monotonic start of the running step or 0), one
+        # tuple replaced whole. The engine publishes a step's final load before the step
+        # returns; paired apart, a heartbeat could send that load with the step's running
+        # time, and the servicer would keep it (same version as the step's output).
+        self.beat = (engine.load, 0.0)
         self.running = True
         self.profiler = StepProfiler(str(engine.runner.device))  # StartProfile / StopProfile
         self.last_stats_log = time.monotonic()
@@ -136,9 +138,9 @@ class SchedulerLoop:
                 self._drain_inbox()
             self._answer_written_trace()
             if self.engine.has_work():
-                self.step_started = time.monotonic()
+                self.beat = (self.engine.load, time.monotonic())
                 out = self.engine.step()
-                self.step_started = 0.0
+                self.beat = (out.load, 0.0)
                 if out.outputs:
                     self.send(out)
                 self._publish_kv_events()
@@ -147,6 +149,7 @@ class SchedulerLoop:
                     self._log_stats()
             else:
                 self.engine.refresh_load()  # idle: the load's throughput window empties out
+                self.beat = (self.engine.load, 0.0)
 
     def _log_stats(self) -> None:
         self.last_stats_log = time.monotonic()
@@ -194,6 +197,7 @@ class SchedulerLoop:
         # Aborts finish requests outside a step: report them (and refusals) right away.
         finished = self.engine.finished_outputs()
         self.engine.refresh_load()
+        self.beat = (self.engine.load, 0.0)
         if refused or finished:
             self.send(StepOutput(outputs=refused + finished, load=self.engine.load))
 
@@ -289,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=_preload_tokenizer, args=(engine.runner.model_path,), name="tokenizer", daemon=True).start()
     try:
         loop = SchedulerLoop(engine, inbox, outbox)
-        HeartbeatThread(engine, ctx, args.outbox, loop).start()
+        HeartbeatThread(ctx, args.outbox, loop).start()
         loop.run()
     except Exception as e:
         logger.error("scheduler loop crashed: %s\n%s", e, traceback.format_exc())
