@@ -67,6 +67,8 @@ def test_profile_errors_are_answers(grpc_stub, tmp_path, no_profile):
     assert bad.success, bad.message
     r = grpc_stub.StartProfile(spb.StartProfileRequest(output_dir=str(tmp_path), activities=["TPU"]), timeout=60)
     assert not r.success and "TPU" in r.message
+    r = grpc_stub.StartProfile(spb.StartProfileRequest(output_dir=str(tmp_path), profile_by_stage=True), timeout=60)
+    assert not r.success and "profile_by_stage" in r.message, r.message  # refused, not ignored
     r = grpc_stub.StartProfile(spb.StartProfileRequest(output_dir=f"{tmp_path}/a\x00b"), timeout=60)
     assert not r.success and "cannot create output_dir" in r.message, r.message
 

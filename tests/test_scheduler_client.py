@@ -106,10 +106,12 @@ def test_a_cancelled_id_stays_taken_until_the_scheduler_lets_go_of_it():
             old = asyncio.Queue()
             client.submit(AddRequest("cz", [1, 2, 3], SamplingParams(max_new_tokens=50)), old)
             assert isinstance(to_scheduler_decoder.decode(await inbox.recv()), AddRequest)
+            assert client.num_open == 1
             client.cancel("cz", "client cancelled")
             abort = to_scheduler_decoder.decode(await inbox.recv())
             assert isinstance(abort, AbortRequest) and abort.request_id == "cz"
             assert client.has_request("cz") and client.num_in_flight == 1  # not reusable yet
+            assert client.num_open == 0  # but no longer an active request (GetServerInfo)
 
             await outbox.send(from_scheduler_encoder.encode(output("cz", [7])))  # a step already under way
             await outbox.send(from_scheduler_encoder.encode(output("cz", [8], "abort")))

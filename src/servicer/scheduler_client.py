@@ -244,7 +244,14 @@ class SchedulerClient:
 
     @property
     def num_in_flight(self) -> int:
+        """Ids still taken: running, finished but not yet released, or cancelled and
+        waiting for the scheduler's final output."""
         return len(self._routes)
+
+    @property
+    def num_open(self) -> int:
+        """Requests still running for a caller that is still there."""
+        return sum(route.state is _Route.OPEN for route in self._routes.values())
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._routes

@@ -187,7 +187,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         return pb.GetServerInfoResponse(
             server_args=_struct(self.server_args()),
             scheduler_info=_struct(stats),
-            active_requests=self.client.num_in_flight,
+            active_requests=self.client.num_open,
             is_paused=False,
             last_receive_timestamp=self.last_receive_time,
             uptime_seconds=time.time() - self.start_time,
@@ -278,6 +278,10 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
     async def StartProfile(self, request, context):
         """A torch.profiler session in the scheduler process (contract §6)."""
         await self._require_ready(context)
+        if request.profile_by_stage:
+            return common_pb2.ProfileResponse(
+                success=False, message="profile_by_stage is not supported: this server profiles whole steps"
+            )
         args = {"activities": list(request.activities)}
         for name in ("output_dir", "start_step", "num_steps", "with_stack", "record_shapes"):
             if request.HasField(name):
