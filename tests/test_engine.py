@@ -317,7 +317,7 @@ def test_a_kv_cache_larger_than_the_memory_left_is_refused(loaded):
         ModelRunner(EngineConfig(device="cpu", kv_cache_memory="100TiB"), loaded)
 
 
-@pytest.mark.parametrize("overrides", [{"kv_cache_memory": "0"}, {"block_size": 100_000}])
+@pytest.mark.parametrize("overrides", [{"kv_cache_memory": "1"}, {"block_size": 100_000}])
 def test_a_kv_budget_below_two_blocks_is_refused(loaded, overrides):
     # (no floor of 2 blocks that would overrun the budget: 100k-token blocks need 8.6 GiB)
     with pytest.raises(ValueError, match="fewer than 2 blocks"):
