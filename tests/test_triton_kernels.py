@@ -118,12 +118,6 @@ def test_mixed_batch_prefill_heuristic():
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
 
 
-def test_varlen_metadata_matches_test_builder():
-    bt, qsl, seq = triton_attention.varlen_metadata([1, 3, 0], [5, 20, 0], [[4], [2, 7], []])
-    assert bt.dtype == qsl.dtype == seq.dtype == torch.int32
-    assert bt.tolist() == [[4, 0], [2, 7], [0, 0]] and qsl.tolist() == [0, 1, 4, 4] and seq.tolist() == [5, 20, 0]
-
-
 def test_mixed_batch_fp16():
     out, ref, caches, ref_caches, _ = _run_step(8, 2, 64, torch.float16, seed=2)
     assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])

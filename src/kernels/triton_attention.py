@@ -6,16 +6,17 @@ Layout (same as the torch path):
 - ``q``: ``[T, H, D]``, this step's query tokens of ``B`` requests, flattened in request order.
 - ``k_cache``/``v_cache``: ``[num_blocks, block_size, KVH, D]`` per layer; position ``p`` of
   request ``r`` lives in block ``block_tables[r, p // block_size]`` at row ``p % block_size``.
-- ``block_tables``: ``[B, max_blocks]`` int32; ``query_start_loc``: ``[B+1]`` int32 (cumsum of
-  query lengths, ``query_start_loc[0] == 0``); ``seq_lens``: ``[B]`` int32, KV length after
-  this step (cached prefix + this chunk). All on the device; no other metadata is needed.
+- ``block_tables``: ``[B, max_blocks]``; ``query_start_loc``: ``[B+1]`` (cumsum of query
+  lengths, ``query_start_loc[0] == 0``); ``seq_lens``: ``[B]``, KV length after this step
+  (cached prefix + this chunk). Integers (the runner's are int64; int32 works too), all on
+  the device; no other metadata is needed.
 - Output ``[T, H, D]`` in ``q``'s dtype.
 
 Causal mask, bottom-right aligned: query ``j`` of a request with ``q_len`` query tokens and
 ``seq_len`` keys sees keys ``0 .. seq_len - q_len + j``. This covers decode (``q_len == 1``),
 fresh prefill (``q_len == seq_len``) and chunks behind a cached prefix in the same code.
 
-Grid: ``(T // BLOCK_Q + B, KVH)``. A *query tile* is ``BLOCK_Q`` consecutive query tokens of one
+Grid: ``(T // BLOCK_Q + B, KVH, num_splits)``. A *query tile* is ``BLOCK_Q`` consecutive query tokens of one
 request; request ``r`` owns the tile indices starting at ``query_start_loc[r] // BLOCK_Q + r``
 (``ceil(q_len / BLOCK_Q)`` of them; the ``+ r`` leaves room for each request's ragged last
 tile). So the grid size comes from tensor *shapes* only, never from a host sync, and a
@@ -32,7 +33,8 @@ CUDA-graph replay with a padded batch launches the same grid. Each program:
    block table (``TILE_N`` need not equal ``block_size``), only up to the last key that the
    tile's last query can see (causal skipping);
 4. keeps an fp32 online softmax (running max ``m``, sum ``l``, accumulator ``acc``) and
-   writes ``acc / l``.
+   writes ``acc / l``; with ``num_splits > 1`` each program walks its share of the keys and
+   writes its partial state, which a second kernel merges (flash-decoding).
 
 Padding: a request with ``q_len == 0`` owns no tiles; one with ``seq_len == 0`` (CUDA-graph
 pad with a dummy query token) loops over no keys and writes zeros, never NaN. Query rows past
@@ -230,22 +232,6 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int =
 def num_query_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
     """Grid size along axis 0: an upper bound on query tiles from shapes alone (no host sync)."""
     return num_tokens // block_q + num_seqs
-
-
-def varlen_metadata(
-    query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(block_tables [B, max_blocks] int32, query_start_loc [B+1] int32, seq_lens [B] int32)``
-    from host lists: a convenience for tests and first integration (the runner should keep
-    persistent pinned buffers instead). Rows are zero-padded; pads use ``q_len``/``seq_len`` 0."""
-    width = max(1, max((len(t) for t in block_tables), default=0))
-    table = torch.zeros(len(block_tables), width, dtype=torch.int32)
-    for i, row in enumerate(block_tables):
-        table[i, : len(row)] = torch.as_tensor(row, dtype=torch.int32)
-    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(torch.as_tensor(query_lens, dtype=torch.int64), 0).to(torch.int32)
-    seq = torch.as_tensor(seq_lens, dtype=torch.int32)
-    return table.to(device), qsl.to(device), seq.to(device)
 
 
 def unified_attention(

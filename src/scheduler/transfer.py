@@ -44,7 +44,8 @@ class _PinnedRing:
 
 class HostToDevice:
     """``upload(array)``: a device tensor with the contents of a host numpy array, copied
-    asynchronously. The array may be reused or dropped right after the call."""
+    asynchronously; the array may be reused or dropped right after the call. On the CPU
+    the "upload" is the array itself (no copy): pass a fresh array, as every caller does."""
 
     # A slot taken again within one step would wait for the step before it: a launch
     # makes ~3 uploads for the model and up to ~7 for sampling.

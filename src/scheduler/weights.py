@@ -1,7 +1,7 @@
 """Checkpoint loading: an HF directory (safetensors) or a GGUF file -> (ModelConfig, state dict).
 
 The state dict always uses HF parameter names, so models only know one naming.
-GGUF tensors are dequantised to fp32 here; the model casts them to its dtype.
+GGUF tensors are dequantised to fp32, then cast to the requested dtype, here.
 """
 
 from __future__ import annotations
