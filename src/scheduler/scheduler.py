@@ -1,9 +1,12 @@
 """Continuous-batching scheduler: one flattened batch per step under a token budget.
 
 Each step: running requests first (decodes and unfinished prefill chunks), then
-waiting requests FCFS with prefix lookup, the last one possibly chunked. When the
-pool runs dry the newest running request is preempted by recompute: its blocks are
-freed and it goes back to the head of the queue with its tokens so far.
+waiting requests in arrival order with prefix lookup, the last one possibly chunked; a
+waiting request whose next prompt block another request is computing is passed over
+for the step and takes that block from the cache on the next. When the pool runs dry
+the newest running request is preempted by recompute: its blocks are freed and it goes
+back to the head of the queue with its tokens so far (one with a token in flight waits
+for that token instead: it may finish and free its blocks).
 """
 
 from __future__ import annotations
@@ -181,10 +184,23 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
-        pool_short = False  # a running request lacked KV blocks: admit nobody new
+        budget, pool_short = self._schedule_running(scheduled, self.config.max_num_batched_tokens)
+        if not pool_short:  # a running request lacked KV blocks: admit nobody new
+            self._admit_waiting(scheduled, budget)
+        # Single-token chunks (decodes, and prefills cut to one token) first: the attention
+        # path batches them together as decodes.
+        scheduled.sort(key=lambda item: item[1] != 1)
+        return ScheduledBatch(
+            [r for r, _ in scheduled],
+            [n for _, n in scheduled],
+            [r.num_computed_tokens + n == r.num_scheduled_tokens for r, n in scheduled],
+        )
 
+    def _schedule_running(self, scheduled: list[tuple[Request, int]], budget: int) -> tuple[int, bool]:
+        """Give running requests their next chunk (a decode: one token), preempting the
+        newest ones when the pool runs dry. Returns (budget left, whether the pool ran short)."""
+        pool_short = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -208,18 +224,17 @@ class Scheduler:
                 scheduled.append((req, n))
                 budget -= n
                 i += 1
+        return budget, pool_short
 
+    def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
+        """Admit waiting requests in order while the budget, the running slots and the pool
+        allow, each with its cached prefix."""
         # Blocks being computed (made when a waiting request is first looked at): a waiting
         # request whose next uncached block is one of them waits a step and takes it from the
         # cache instead of computing it again (n > 1 siblings, a burst with one system prompt).
         in_progress: set[bytes] | None = None
         j = 0  # waiting[:j]: passed over until then
-        while (
-            not pool_short
-            and j < len(self.waiting)
-            and budget > 0
-            and len(self.running) < self.config.max_running_requests
-        ):
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[j]
             if req.num_pending:  # preempted while its last token was in flight: wait for it
                 break
@@ -245,15 +260,6 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
-
-        # Single-token chunks (decodes, and prefills cut to one token) first: the attention
-        # path batches them together as decodes.
-        scheduled.sort(key=lambda item: item[1] != 1)
-        return ScheduledBatch(
-            [r for r, _ in scheduled],
-            [n for _, n in scheduled],
-            [r.num_computed_tokens + n == r.num_scheduled_tokens for r, n in scheduled],
-        )
 
     def advance(self, batch: ScheduledBatch) -> None:
         """Right after a step is launched: count its tokens as computed. Each request that
