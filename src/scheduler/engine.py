@@ -29,7 +29,7 @@ class Completion:
     output_ids: list[int]
     finish_reason: str | None
     num_cached_tokens: int
-    token_times: list[float]  # wall time at which each output token became available
+    token_times: list[float]  # time.perf_counter() at which each output token became available
 
 
 class Engine:

@@ -2,7 +2,7 @@
 
 servicer -> scheduler: AddRequest, AbortRequest, ControlRequest.
 scheduler -> servicer: EngineReady (once, after load), StepOutput (one per step that
-produced anything), ControlReply, Heartbeat (every 0.25 s, from a thread), EngineDead,
+produced anything, and for refusals and aborts between steps), ControlReply, Heartbeat (every 0.25 s, from a thread), EngineDead,
 KvEvents (the prefix cache's changes after a step or a flush).
 
 Kept free of torch imports: the servicer process imports this module too.
@@ -149,7 +149,7 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
     matched_stop_str: str | None = None
     output_logprobs: LogprobRows | None = None  # rows for new_token_ids (return_logprob)
     input_logprobs: LogprobRows | None = None  # the prompt's, once, with the first tokens
-    error: str | None = None  # set when the scheduler refused the request
+    error: str | None = None  # why the request ended in error: refused, a grammar dead end, a shutdown
     error_code: str | None = None  # gRPC status name for `error`
 
     @classmethod

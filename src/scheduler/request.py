@@ -55,7 +55,7 @@ class Request:
         self.pending_row = -1  # row of the newest pending token in its step's sampled tokens
         self.num_preemptions = 0
         self.finish_reason: str | None = None
-        self.error: tuple[str, str] | None = None  # (gRPC status name, message) when refused
+        self.error: tuple[str, str] | None = None  # (gRPC status name, message) when it ends in error
         self.matched_token_id: int | None = None
         self.matched_stop_str: str | None = None
         self.num_visible_outputs: int | None = None  # set when a matched stop string is trimmed
