@@ -45,7 +45,7 @@ def test_a_trailing_heartbeat_never_brings_back_an_older_load():
         async with _reading_client() as (client, scheduler):
             running = LoadSnapshot(version=7, num_running=1)
             idle = LoadSnapshot(version=8, num_running=0)
-            await scheduler.send(from_scheduler_encoder.encode(StepOutput([], batch_size=1, load=idle)))
+            await scheduler.send(from_scheduler_encoder.encode(StepOutput([], load=idle)))
             await scheduler.send(from_scheduler_encoder.encode(Heartbeat(running, 0.0)))
             await scheduler.send(from_scheduler_encoder.encode(Heartbeat(LoadSnapshot(version=9, num_waiting=2), 0.0)))
             await _wait_for(lambda: client.liveness.load.version == 9)
@@ -59,8 +59,7 @@ def test_a_trailing_heartbeat_never_brings_back_an_older_load():
             # is as stale as its load (the watchdog and health read it).
             await scheduler.send(from_scheduler_encoder.encode(Heartbeat(LoadSnapshot(version=9), 70.0)))
             await _wait_for(lambda: client.liveness.in_step_s == 70.0)
-            await scheduler.send(from_scheduler_encoder.encode(StepOutput([], batch_size=1,
-                                                                          load=LoadSnapshot(version=10))))
+            await scheduler.send(from_scheduler_encoder.encode(StepOutput([], load=LoadSnapshot(version=10))))
             await scheduler.send(from_scheduler_encoder.encode(Heartbeat(LoadSnapshot(version=9), 70.5)))
             marks = []  # a message after it that touches neither the load nor the in-step time
             client.kv_event_listener = marks.append
@@ -92,7 +91,7 @@ def test_a_cancelled_id_stays_taken_until_the_scheduler_lets_go_of_it():
     from scheduler.messages import AbortRequest, AddRequest, RequestOutput, SamplingParams, to_scheduler_decoder
 
     def output(rid, tokens, finish=None):
-        return StepOutput([RequestOutput(rid, tokens, 3, 0, len(tokens), finish)], batch_size=1)
+        return StepOutput([RequestOutput(rid, tokens, 3, 0, len(tokens), finish)])
 
     async def scenario():
         client = SchedulerClient(EngineConfig(model="unused"))

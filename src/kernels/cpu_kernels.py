@@ -119,7 +119,7 @@ def paged_decode_attention(
     in parallel (a request cut between two is attended in pieces, then merged); 0: one per
     OpenMP thread, 1: no cut."""
     n, heads, head_dim = q.shape
-    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    _, block_size, kv_heads, _ = k_cache.shape
     if (
         not _cpu_elements(q.dtype, q, k_cache, v_cache)
         or k_cache.shape[-1] != head_dim

@@ -134,7 +134,7 @@ class Engine:
             self.stats.record_step(len(batch), batch.num_tokens)  # (not a step that only took tokens)
         self.refresh_load()
         outputs += self.finished_outputs()
-        return StepOutput(outputs=outputs, batch_size=len(batch), load=self.load)
+        return StepOutput(outputs=outputs, load=self.load)
 
     def _complete(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Take a launched step's tokens, advance its requests, and make their outputs."""
@@ -151,10 +151,9 @@ class Engine:
 
     def refresh_load(self) -> None:
         """Publish a new load snapshot (replaced whole, so other threads read it safely)."""
-        s, sched = self.stats, self.scheduler
+        sched = self.scheduler
         self.load = LoadSnapshot(
             version=self.load.version + 1,
-            step=s.steps,
             num_running=len(sched.running),
             num_waiting=sched.num_waiting,
             num_waiting_uncached_tokens=sched.num_waiting_uncached_tokens(),

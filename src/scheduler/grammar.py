@@ -49,7 +49,6 @@ class GrammarBackend:
 
         from .stop_strings import load_tokenizer
 
-        self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(
             load_tokenizer(model_path), vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
         )

@@ -2,8 +2,9 @@
 
 servicer -> scheduler: AddRequest, AbortRequest, ControlRequest.
 scheduler -> servicer: EngineReady (once, after load), StepOutput (one per step that
-produced anything, and for refusals and aborts between steps), ControlReply, Heartbeat (every 0.25 s, from a thread), EngineDead,
-KvEvents (the prefix cache's changes after a step or a flush).
+produced anything, and for refusals and aborts between steps), ControlReply, Heartbeat
+(every 0.25 s, from a thread), EngineDead, KvEvents (the prefix cache's changes after a
+step or a flush).
 
 Kept free of torch imports: the servicer process imports this module too.
 """
@@ -164,7 +165,6 @@ class LoadSnapshot(msgspec.Struct):
     # Counts refreshes. Heartbeats travel on their own socket, so one carrying an older
     # snapshot can arrive after a step's output: the reader keeps the highest version.
     version: int = 0
-    step: int = 0
     num_running: int = 0
     num_waiting: int = 0
     num_waiting_uncached_tokens: int = 0
@@ -181,7 +181,6 @@ class LoadSnapshot(msgspec.Struct):
 
 class StepOutput(msgspec.Struct, tag=True):
     outputs: list[RequestOutput]
-    batch_size: int = 0  # requests the step computed (0: outputs from outside a step)
     # The load after this step, so the servicer's GetLoads never shows a request running
     # after its final output was delivered (heartbeats alone lag by up to HEARTBEAT_S).
     load: LoadSnapshot | None = None

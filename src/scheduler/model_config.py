@@ -50,7 +50,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    torch_dtype: str | None = None  # the checkpoint's dtype; None for quantised GGUF
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -120,7 +119,6 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
-            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         )
 
     @classmethod
@@ -195,5 +193,4 @@ class ModelConfig:
             bos_token_id=field("tokenizer.ggml.bos_token_id"),
             eos_token_id=(eos[0] if len(eos) == 1 else eos) if eos else None,
             pad_token_id=field("tokenizer.ggml.padding_token_id"),
-            torch_dtype=None,
         )

@@ -308,4 +308,4 @@ class SchedulerClient:
             self._calls.pop(call_id, None)
 
 
-__all__ = ["SchedulerClient", "SchedulerUnavailable", "RequestOutput"]
+__all__ = ["SchedulerClient", "SchedulerUnavailable"]

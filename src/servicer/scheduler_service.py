@@ -156,7 +156,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         i = self.info
         return {
             "model_path": i["model_path"],
-            "served_model_name": i["served_model_name"] or i["model_path"],
+            "served_model_name": i["served_model_name"],
             "tokenizer_path": i["tokenizer_path"],
             "tp_size": 1,
             "dp_size": 1,

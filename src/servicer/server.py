@@ -48,7 +48,6 @@ class ServerConfig:
     port: int = 30000
     log_level: str = "info"
     shutdown_grace_s: float = 30.0
-    max_heartbeat_age_s: float = 2.0
     watchdog_timeout_s: float = 300.0  # 0: never kill a scheduler that stopped making progress
 
 
@@ -86,7 +85,7 @@ async def warm_up(client: SchedulerClient, timeout: float = 120.0) -> None:
 async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Run the daemon until SIGTERM/SIGINT (exit 0) or scheduler failure (exit 1)."""
     client = SchedulerClient(engine_config, server_config.log_level)
-    health = HealthState(client, max_heartbeat_age=server_config.max_heartbeat_age_s)
+    health = HealthState(client)
     service = SglangSchedulerService(client, health, engine_config)
 
     server = grpc.aio.server(options=GRPC_OPTIONS)
