@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from . import cpu_kernels
 from .norm import rms_norm_torch
 from .rotary import apply_rotary
+from .util import cdiv
 
 
 @dataclass
@@ -141,7 +142,7 @@ def build_varlen(
     attention kernel compile again in the middle of serving."""
     fields = varlen_arrays(query_lens, seq_lens, block_tables, block_size)
     starts = np.zeros(len(fields) + 1, dtype=np.int64)
-    np.cumsum([-(-f.size // 2) * 2 for f in fields], out=starts[1:])  # int64 pairs: 16 bytes
+    np.cumsum([cdiv(f.size, 2) * 2 for f in fields], out=starts[1:])  # int64 pairs: 16 bytes
     host = np.zeros(int(starts[-1]), dtype=np.int64)
     for arr, start in zip(fields, starts):
         host[start : start + arr.size] = arr.ravel()

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .util import cdiv
+
 logger = logging.getLogger(__name__)
 _xgrammar_kernel_ok = True  # cleared after the first failure of xgrammar's bitmask kernel
 
@@ -186,7 +188,7 @@ class SamplingTensors:
         any_min_p = min_p is not None and any(min_p[i] > 0.0 for i in rows)
         # Two uploads for everything: the float parameters, then the ints, each field at a
         # multiple of 4 elements (16-byte aligned, as Triton specialises pointers on it).
-        seg = -(-r // 4) * 4
+        seg = cdiv(r, 4) * 4
 
         def packed(fields: list[list], dtype) -> torch.Tensor:
             flat = np.zeros(seg * (len(fields) - 1) + len(fields[-1]), dtype=dtype)

@@ -50,6 +50,8 @@ import functools
 
 import torch
 
+from .util import cdiv, next_pow2
+
 
 def triton_available() -> bool:
     try:
@@ -57,10 +59,6 @@ def triton_available() -> bool:
     except Exception:
         return False
     return True
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 @functools.cache
@@ -218,15 +216,15 @@ def _kernels():
 
 def tile_shape(num_heads: int, num_kv_heads: int, block_m: int | None = None) -> tuple[int, int, int]:
     """``(G_PAD, BLOCK_Q, BLOCK_M)`` for a model; static per model, so graph-capturable."""
-    g_pad = _next_pow2(num_heads // num_kv_heads)
-    block_m = max(16, g_pad, _next_pow2(block_m or 16))  # tl.dot needs >= 16 rows
+    g_pad = next_pow2(num_heads // num_kv_heads)
+    block_m = max(16, g_pad, next_pow2(block_m or 16))  # tl.dot needs >= 16 rows
     return g_pad, block_m // g_pad, block_m
 
 
 def decode_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
     """Split-KV factor for a decode batch: enough programs for ~4 per SM, a power of two."""
-    want = -(-4 * num_sms // max(1, batch * num_kv_heads))
-    return min(max_splits, _next_pow2(want)) if want > 1 else 1
+    want = cdiv(4 * num_sms, max(1, batch * num_kv_heads))
+    return min(max_splits, next_pow2(want)) if want > 1 else 1
 
 
 def num_query_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
@@ -278,17 +276,17 @@ def unified_attention(
     if T == 0 or B == 0:
         return out
     g = H // KVH
-    if block_m is None and max_query_len is not None and max_query_len * _next_pow2(g) >= 64:
+    if block_m is None and max_query_len is not None and max_query_len * next_pow2(g) >= 64:
         block_m, tile_n = 64, tile_n or max(32, block_size)
     elif max_query_len == 1:  # measured on an H100: 128-key tiles, 4 warps in every batch size
         tile_n, num_warps = tile_n or 128, num_warps or 4
     g_pad, block_q, bm = tile_shape(H, KVH, block_m)
-    tile_n = max(16, _next_pow2(tile_n or block_size))
+    tile_n = max(16, next_pow2(tile_n or block_size))
     kernel, combine = _kernels()
     grid = (num_query_tiles(T, B, block_q), KVH, num_splits)
-    head_pad = _next_pow2(D)
+    head_pad = next_pow2(D)
     if num_splits > 1:
-        assert num_splits == _next_pow2(num_splits), "num_splits must be a power of two"
+        assert num_splits == next_pow2(num_splits), "num_splits must be a power of two"
         part_acc = torch.empty((T, H, num_splits, head_pad), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((T, H, num_splits, 2), dtype=torch.float32, device=q.device)
     else:

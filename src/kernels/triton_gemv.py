@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-from .triton_attention import _next_pow2
+from .util import cdiv, next_pow2
 
 SMALL_BATCH_ROWS = 16  # the most rows one program holds (tl.dot's minimum M)
 
@@ -128,7 +128,7 @@ def _prefetch_lines(k: int, elem_bytes: int, pdl: bool) -> dict:
     projections of different widths share one compiled variant."""
     if not pdl:  # launch_pdl only when set: backends without the option (HIP) reject it
         return dict(LINE=1, K_LINES=1)
-    return dict(LINE=128 // elem_bytes, K_LINES=_next_pow2(-(-k * elem_bytes // 128)), launch_pdl=True)
+    return dict(LINE=128 // elem_bytes, K_LINES=next_pow2(cdiv(k * elem_bytes, 128)), launch_pdl=True)
 
 
 def small_batch_linear(
@@ -163,7 +163,7 @@ def small_batch_linear(
     out = torch.empty((M, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else out
     if M:
-        _kernel()[(-(-n // block_n),)](
+        _kernel()[(cdiv(n, block_n),)](
             x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
             bias if bias is not None else weight, out, res_out,
             M, K, n,

@@ -32,9 +32,7 @@ import functools
 
 import torch
 
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
+from .util import cdiv, next_pow2
 
 
 @functools.cache
@@ -208,7 +206,7 @@ def store_kv(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_HEADS=kvh, HEAD_DIM=d, HEADS_PAD=_next_pow2(kvh), HEAD_PAD=_next_pow2(d),
+        NUM_HEADS=kvh, HEAD_DIM=d, HEADS_PAD=next_pow2(kvh), HEAD_PAD=next_pow2(d),
         BLOCK_SIZE=k_cache.shape[1],
     )
 
@@ -238,7 +236,7 @@ def rms_norm(
             x2, r2, weight, out, res_out,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
             n, float(eps),
-            HAS_RESIDUAL=residual is not None, BLOCK=_next_pow2(n),
+            HAS_RESIDUAL=residual is not None, BLOCK=next_pow2(n),
         )
     out = out.view(shape)
     return out if residual is None else (out, res_out.view(shape))
@@ -253,7 +251,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         kernel[(T,)](
             x, out, cos, sin,
             x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
-            NUM_HEADS=h, HALF=d // 2, HEADS_PAD=_next_pow2(h), HALF_PAD=_next_pow2(d // 2),
+            NUM_HEADS=h, HALF=d // 2, HEADS_PAD=next_pow2(h), HALF_PAD=next_pow2(d // 2),
         )
     return out
 
@@ -299,8 +297,8 @@ def qkv_rope_store(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         float(eps),
-        H=num_heads, KVH=num_kv_heads, H_PAD=_next_pow2(num_heads), KVH_PAD=_next_pow2(num_kv_heads),
-        HALF=d // 2, HALF_PAD=_next_pow2(d // 2), BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm, PDL=pdl,
+        H=num_heads, KVH=num_kv_heads, H_PAD=next_pow2(num_heads), KVH_PAD=next_pow2(num_kv_heads),
+        HALF=d // 2, HALF_PAD=next_pow2(d // 2), BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm, PDL=pdl,
         **({"launch_pdl": True} if pdl else {}),  # only when set: HIP has no such option
     )
     return q
@@ -314,6 +312,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
     out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        block = min(1024, _next_pow2(n))
-        _kernels()[4][(x2.shape[0], -(-n // block))](x2, out, x2.stride(0), out.stride(0), n, BLOCK=block)
+        block = min(1024, next_pow2(n))
+        _kernels()[4][(x2.shape[0], cdiv(n, block))](x2, out, x2.stride(0), out.stride(0), n, BLOCK=block)
     return out.view(*x.shape[:-1], n)

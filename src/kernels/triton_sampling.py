@@ -15,6 +15,8 @@ import functools
 
 import torch
 
+from .util import cdiv
+
 VOCAB_SLICE = 4096
 
 
@@ -62,7 +64,7 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int) ->
     n, vocab = logits.shape
     logits = logits.reshape(n, vocab)  # a lone row's stride is arbitrary (1 on the CPU): a view with the usual one
     assert logits.stride(1) == 1 and temperature.shape == (n,)
-    slices = -(-vocab // VOCAB_SLICE)
+    slices = cdiv(vocab, VOCAB_SLICE)
     best_val = torch.empty((n, slices), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((n, slices), dtype=torch.int64, device=logits.device)
     if n:

@@ -24,6 +24,7 @@ import torch
 
 from kernels.attention import AttentionMetadata, varlen_arrays
 from kernels.triton_attention import decode_splits
+from kernels.util import cdiv
 
 from .transfer import HostToDevice
 
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 def capture_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to ``max_batch`` rounded up to a multiple of 16."""
     small = [b for b in (1, 2, 4, 8) if b < max_batch or b == 1]
-    top = -(-max_batch // 16) * 16 if max_batch > 8 else 0
+    top = cdiv(max_batch, 16) * 16 if max_batch > 8 else 0
     return sorted(set(small + list(range(16, top + 1, 16)) + ([max_batch] if max_batch <= 8 else [])))
 
 

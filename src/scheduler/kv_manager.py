@@ -3,12 +3,10 @@ allocation as a request grows, hashing blocks as they fill, and freeing."""
 
 from __future__ import annotations
 
+from kernels.util import cdiv
+
 from .block_pool import BlockPool, hash_block
 from .request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:

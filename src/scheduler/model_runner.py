@@ -18,6 +18,7 @@ import torch
 
 from kernels.attention import AttentionMetadata, build_varlen
 from kernels.triton_attention import decode_splits, triton_available
+from kernels.util import cdiv
 
 from .config import EngineConfig, parse_memory_size
 from .cpu_malloc import keep_freed_memory
@@ -157,7 +158,7 @@ class ModelRunner:
 
         self.graphs = DecodeGraphs(
             self.model, self.kv_caches, self.config.max_running_requests,
-            -(-self.max_model_len // self.block_size), self.block_size, self.device, self.num_sms, self.upload,
+            cdiv(self.max_model_len, self.block_size), self.block_size, self.device, self.num_sms, self.upload,
         )
         self.graphs.capture()
 
@@ -168,7 +169,7 @@ class ModelRunner:
         points at the null block: nothing is written to the KV cache."""
         for query_lens in warmup_batches(self.config.max_running_requests, self.model_config.num_kv_heads, self.num_sms):
             seq_lens = [q + 3 for q in query_lens]
-            tables = [[0] * -(-s // self.block_size) for s in seq_lens]
+            tables = [[0] * cdiv(s, self.block_size) for s in seq_lens]
             meta = self._varlen(query_lens, seq_lens, tables)
             meta.slot_mapping.fill_(-1)
             ids = torch.zeros(sum(query_lens), dtype=torch.int64, device=self.device)
@@ -233,7 +234,7 @@ class ModelRunner:
     def _num_kv_blocks(self) -> int:
         per_block = self._bytes_per_token() * self.block_size
         if self.config.kv_cache_tokens is not None:
-            return -(-self.config.kv_cache_tokens // self.block_size) + 1  # + the null block
+            return cdiv(self.config.kv_cache_tokens, self.block_size) + 1  # + the null block
         if self.config.kv_cache_memory is not None:
             budget = parse_memory_size(self.config.kv_cache_memory)
             free = free_memory_bytes(self.device)
@@ -260,7 +261,7 @@ class ModelRunner:
             "KV cache: %d blocks x %d tokens (%.2f GiB, %s)",
             self.num_cache_blocks - 1,
             self.block_size,
-            self.kv_cache.numel() * self.dtype.itemsize / 2**30,
+            self.kv_cache_bytes / 2**30,
             self.dtype,
         )
 

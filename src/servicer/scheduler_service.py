@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import importlib.metadata
 import logging
 import math
 import time
@@ -26,7 +27,10 @@ from .scheduler_client import SchedulerClient, SchedulerUnavailable
 from .tokenizer_bundle import build_bundle, chunks
 
 logger = logging.getLogger(__name__)
-VERSION = "0.1.0"
+try:
+    VERSION = importlib.metadata.version("servicer")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree without installing
+    VERSION = "0+unknown"
 FLUSH_ANSWER_S = 10.0  # the scheduler answers a flush between steps
 
 
@@ -177,11 +181,8 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
 
     async def GetServerInfo(self, request, context):
         await self._require_ready(context)
-        try:
-            stats = (await self.client.call("stats", timeout=2.0)).result
-        except (SchedulerUnavailable, TimeoutError, asyncio.TimeoutError) as e:
-            reason = str(e) or f"no answer within 2 s ({type(e).__name__})"  # a timeout's text is empty
-            stats = {"error": f"scheduler stats unavailable: {reason}"}
+        reply, failure = await self._call_scheduler("stats", timeout=2.0)
+        stats = reply.result if reply is not None else {"error": f"no scheduler stats: {failure}"}
         start = timestamp_pb2.Timestamp()
         start.FromSeconds(int(self.start_time))
         return pb.GetServerInfoResponse(
@@ -252,16 +253,21 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be a number, got {request.timeout_s}")
         deadline = time.monotonic() + max(request.timeout_s, 0)
         while True:
-            try:
-                reply = await self.client.call("flush_cache", timeout=FLUSH_ANSWER_S)
-            except SchedulerUnavailable as e:
-                return common_pb2.FlushCacheResponse(success=False, message=f"scheduler unavailable: {e}")
-            except (TimeoutError, asyncio.TimeoutError):  # (answered between steps: one ran that long)
-                return common_pb2.FlushCacheResponse(
-                    success=False, message=f"the scheduler is busy: no answer within {FLUSH_ANSWER_S:g} s")
+            reply, failure = await self._call_scheduler("flush_cache", timeout=FLUSH_ANSWER_S)
+            if reply is None:
+                return common_pb2.FlushCacheResponse(success=False, message=failure)
             if reply.ok or time.monotonic() >= deadline:
                 return common_pb2.FlushCacheResponse(success=reply.ok, message=reply.message)
             await asyncio.sleep(0.05)
+
+    async def _call_scheduler(self, method: str, timeout: float, **args):
+        """(the scheduler's ControlReply to an admin call, "") or (None, why none came)."""
+        try:
+            return await self.client.call(method, timeout=timeout, **args), ""
+        except SchedulerUnavailable as e:
+            return None, f"scheduler unavailable: {e}"
+        except (TimeoutError, asyncio.TimeoutError):  # answered between steps: one ran that long
+            return None, f"the scheduler is busy: no answer within {timeout:g} s"
 
     async def _unimplemented(self, context, what: str):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"this server does not support {what}")
@@ -286,19 +292,17 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         for name in ("output_dir", "start_step", "num_steps", "with_stack", "record_shapes"):
             if request.HasField(name):
                 args[name] = getattr(request, name)
-        try:
-            reply = await self.client.call("start_profile", timeout=60.0, **args)
-        except (SchedulerUnavailable, TimeoutError, asyncio.TimeoutError) as e:
-            return common_pb2.ProfileResponse(success=False, message=f"scheduler unavailable: {e!r}")
+        reply, failure = await self._call_scheduler("start_profile", timeout=60.0, **args)
+        if reply is None:
+            return common_pb2.ProfileResponse(success=False, message=failure)
         return common_pb2.ProfileResponse(success=reply.ok, message=reply.message)
 
     async def StopProfile(self, request, context):
         """Stop the profiler and write its Chrome trace; the message names the file."""
         await self._require_ready(context)
-        try:
-            reply = await self.client.call("stop_profile", timeout=600.0)
-        except (SchedulerUnavailable, TimeoutError, asyncio.TimeoutError) as e:
-            return common_pb2.ProfileResponse(success=False, message=f"scheduler unavailable: {e!r}")
+        reply, failure = await self._call_scheduler("stop_profile", timeout=600.0)
+        if reply is None:
+            return common_pb2.ProfileResponse(success=False, message=failure)
         return common_pb2.ProfileResponse(success=reply.ok, message=reply.message)
 
     async def LoadLoRAAdapter(self, request, context):
