@@ -165,7 +165,7 @@ def test_queue_limit_counts_only_requests_beyond_the_free_running_slots():
     step(sched, sched.schedule(), [9, 9])  # r0, r1 run; r2 still held: still full
     with pytest.raises(AdmissionError):
         add(sched, "over", [5, 6, 7])
-    sched.release(held)
+    sched.release_held(held)
     run(sched)
     add(sched, "later", [5, 6, 7])  # room again once the queue drains
     run(sched)

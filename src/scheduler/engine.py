@@ -89,7 +89,7 @@ class Engine:
         that overran the compile time limit."""
         done = self.grammars.poll(wait_briefly=not self.scheduler.has_work() and self.inflight is None)
         for req, matcher in done.ready:
-            self.scheduler.release(req, grammar=matcher)
+            self.scheduler.release_held(req, grammar=matcher)
         for req, code, message in done.refused:
             self.scheduler.reject(req, code, message)
 

@@ -312,7 +312,7 @@ class ModelRunner:
                 meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
             hidden = self.model(ids, meta.positions, self.kv_caches, meta)
         # LM head on the sampling rows (and prompt-logprob rows), sampling, logprobs.
-        sampling = batch.sampling
+        sampling = batch.sampling_requests
         tokens, logprobs = self.sampler.run(batch.requests, batch.num_new_tokens, hidden, sample_rows, sampling)
         return LaunchedStep(batch, self.download(tokens) if sampling else None, logprobs, launched_at)
 

@@ -1,6 +1,6 @@
 """A request as the scheduler tracks it.
 
-There is no prefill/decode flag: each step computes ``num_scheduled_tokens -
+There is no prefill/decode flag: each step computes ``num_tokens_with_pending -
 num_computed_tokens`` tokens of it (capped by the step's budget), so chunked prefill,
 prefix hits and resumption after preemption all fall out of the same rule.
 
@@ -83,7 +83,7 @@ class Request:
         return len(self.token_ids)
 
     @property
-    def num_scheduled_tokens(self) -> int:
+    def num_tokens_with_pending(self) -> int:
         """Known tokens plus the pending ones: what steps compute up to."""
         return len(self.token_ids) + self.num_pending
 

@@ -43,7 +43,7 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
     @property
-    def sampling(self) -> list[Request]:
+    def sampling_requests(self) -> list[Request]:
         """The requests that sample, in batch order: request i owns row i of the step's
         sampled tokens."""
         return [r for r, s in zip(self.requests, self.samples) if s]
@@ -130,7 +130,7 @@ class Scheduler:
             self._enqueue(req)
         return req
 
-    def release(self, req: Request, grammar=None) -> None:
+    def release_held(self, req: Request, grammar=None) -> None:
         """A held request becomes schedulable (with its compiled grammar's matcher)."""
         del self.held[req.request_id]
         req.grammar = grammar
@@ -194,7 +194,7 @@ class Scheduler:
         return ScheduledBatch(
             [r for r, _ in scheduled],
             [n for _, n in scheduled],
-            [r.num_computed_tokens + n == r.num_scheduled_tokens for r, n in scheduled],
+            [r.num_computed_tokens + n == r.num_tokens_with_pending for r, n in scheduled],
         )
 
     def _schedule_running(self, scheduled: list[tuple[Request, int]], budget: int) -> tuple[int, bool]:
@@ -207,7 +207,7 @@ class Scheduler:
             if req.num_pending and req.will_finish_by_length:  # its last token is in flight
                 i += 1
                 continue
-            n = min(req.num_scheduled_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
             if req.num_pending and not self.kv.allocate(req, n):
                 # Its token in flight may end it and free its blocks: wait for that token
                 # rather than preempt a request for a step that may be wasted.
@@ -287,7 +287,7 @@ class Scheduler:
                 req.input_logprobs.append(*row)
         logprob_rows = logprobs.output if logprobs is not None else None
         appended = 0
-        for j, (req, token) in enumerate(zip(batch.sampling, sampled)):
+        for j, (req, token) in enumerate(zip(batch.sampling_requests, sampled)):
             req.num_pending -= 1
             if req.is_finished:
                 continue
