@@ -82,15 +82,11 @@ async def warm_up(client: SchedulerClient, timeout: float = 120.0) -> None:
         client.release(rid)  # (after a time-out the daemon does not start: nothing to drain)
 
 
-async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """Run the daemon until SIGTERM/SIGINT (exit 0) or scheduler failure (exit 1)."""
-    client = SchedulerClient(engine_config, server_config.log_level)
-    health = HealthState(client)
-    service = SglangSchedulerService(client, health, engine_config)
-
+def _build_server(service: SglangSchedulerService, health_servicer: HealthServicer) -> grpc.aio.Server:
+    """The SGLang scheduler service, grpc.health.v1 and reflection on one server."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
     pb_grpc.add_SglangSchedulerServicer_to_server(service, server)
-    health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(health), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [
             pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name,
@@ -99,18 +95,33 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         ],
         server,
     )
-    host = server_config.host
+    return server
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int) -> str | None:
+    """Listen on host:port; the address, or None (logged) when it cannot."""
     host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # an IPv6 literal
     try:
-        port = server.add_insecure_port(f"{host}:{server_config.port}")
+        bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:  # newer grpcio raises where older ones returned 0
-        port = 0
-    if port == 0:
-        logger.error("cannot listen on %s:%d (address in use, or not an address of this machine)",
-                     host, server_config.port)
+        bound = 0
+    if bound == 0:
+        logger.error("cannot listen on %s:%d (address in use, or not an address of this machine)", host, port)
+        return None
+    return f"{host}:{bound}"
+
+
+async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Run the daemon until SIGTERM/SIGINT (exit 0) or scheduler failure (exit 1)."""
+    client = SchedulerClient(engine_config, server_config.log_level)
+    health = HealthState(client)
+    service = SglangSchedulerService(client, health, engine_config)
+
+    server = _build_server(service, HealthServicer(health))
+    address = _bind(server, server_config.host, server_config.port)
+    if address is None:
         await client.stop()
         return 1
-    address = f"{host}:{port}"
     await server.start()
     logger.info("gRPC server listening on %s (NOT_SERVING until the model is loaded and warmed up)", address)
 
