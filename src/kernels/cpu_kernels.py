@@ -89,19 +89,42 @@ def _cache_dir() -> str:
     return fallback
 
 
-def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(None if t is None else t.data_ptr())
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _cpu_elements(dtype: torch.dtype, *tensors: torch.Tensor | None) -> bool:
     """All on the CPU in ``dtype``, a type the kernels are built for."""
-    return dtype in ELEMENT_FLAGS and all(t is None or (t.device.type == "cpu" and t.dtype == dtype) for t in tensors)
+    if dtype not in ELEMENT_FLAGS:
+        return False
+    for t in tensors:  # (a loop, not all(...): this runs a few hundred times per decode step)
+        if t is not None and (t.dtype != dtype or t.device.type != "cpu"):
+            return False
+    return True
 
 
+# Each kernel's C signature, so calls pass plain ints, floats and data_ptr()s (None: NULL)
+# and ctypes converts them without a Python object per argument. (restype None: void.)
+_P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "paged_decode_attention": (ctypes.c_int, [_P] * 6 + [_I32] * 6 + [_F32, _I32]),
+    "add_rms_norm": (None, [_P, _I64, _I64, _P, _P, _P, _I32, _I32, _F32]),
+    "silu_mul": (None, [_P, _I64, _I64, _P, _I64, _I32, _I32]),
+    "qkv_rope_store": (None, [_P, _I64, _I64, _P, _P, _F32, _P, _P, _I64] + [_P] * 6 + [_I32] * 4),
+    "few_rows_linear": (ctypes.c_int, [_P] * 4 + [_I32] * 3),
+}
+
+
+@functools.lru_cache(maxsize=None)
 def _kernel(library: str, name: str, dtype: torch.dtype):
-    """``name`` of ``library``'s ``dtype`` build (e.g. ``silu_mul_bf16``); None if unavailable."""
+    """``name`` of ``library``'s ``dtype`` build (e.g. ``silu_mul_bf16``), typed by
+    ``_SIGNATURES``; None if unavailable."""
     lib = load_library(library, dtype)
-    return None if lib is None else getattr(lib, f"{name}_{SUFFIX[dtype]}")
+    if lib is None:
+        return None
+    fn = getattr(lib, f"{name}_{SUFFIX[dtype]}")
+    fn.restype, fn.argtypes = _SIGNATURES[name]
+    return fn
 
 
 def paged_decode_attention(
@@ -146,8 +169,7 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     status = kernel(
         _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(tables), _ptr(lens), _ptr(out),
-        ctypes.c_int(n), ctypes.c_int(heads), ctypes.c_int(kv_heads), ctypes.c_int(head_dim),
-        ctypes.c_int(block_size), ctypes.c_int(tables.shape[1]), ctypes.c_float(scale), ctypes.c_int(shares),
+        n, heads, kv_heads, head_dim, block_size, tables.shape[1], scale, shares,
     )
     return out if status == 0 else None
 
@@ -171,10 +193,7 @@ def add_rms_norm(
         return None
     t, d = x.shape
     out = torch.empty(t, d, dtype=x.dtype)
-    kernel(
-        _ptr(x), ctypes.c_int64(x.stride(0)), ctypes.c_int64(x.stride(1)), _ptr(residual), _ptr(weight), _ptr(out),
-        ctypes.c_int(t), ctypes.c_int(d), ctypes.c_float(eps),
-    )
+    kernel(_ptr(x), x.stride(0), x.stride(1), _ptr(residual), _ptr(weight), _ptr(out), t, d, eps)
     return out if residual is None else (out, residual)
 
 
@@ -195,10 +214,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor | None:
     kernel = _kernel("fused_ops", "silu_mul", x.dtype)
     if kernel is None:
         return None
-    kernel(
-        _ptr(x), ctypes.c_int64(stride), ctypes.c_int64(up), _ptr(out), ctypes.c_int64(out_stride),
-        ctypes.c_int(outer), ctypes.c_int(inner),
-    )
+    kernel(_ptr(x), stride, up, _ptr(out), out_stride, outer, inner)
     return out
 
 
@@ -250,10 +266,8 @@ def qkv_rope_store(
     k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype)
     v = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype)
     kernel(
-        _ptr(qkv), ctypes.c_int64(qkv.stride(0)), ctypes.c_int64(qkv.stride(1)), _ptr(q_norm), _ptr(k_norm),
-        ctypes.c_float(eps), _ptr(cos), _ptr(sin), ctypes.c_int64(cos.stride(0)), _ptr(slot_mapping),
-        _ptr(k_cache), _ptr(v_cache), _ptr(q), _ptr(k), _ptr(v),
-        ctypes.c_int(t), ctypes.c_int(num_heads), ctypes.c_int(num_kv_heads), ctypes.c_int(head_dim),
+        _ptr(qkv), qkv.stride(0), qkv.stride(1), _ptr(q_norm), _ptr(k_norm), eps, _ptr(cos), _ptr(sin), cos.stride(0),
+        _ptr(slot_mapping), _ptr(k_cache), _ptr(v_cache), _ptr(q), _ptr(k), _ptr(v), t, num_heads, num_kv_heads, head_dim,
     )
     return q, k, v
 
