@@ -310,6 +310,39 @@ class Daemon(_ManagedProcess):
             time.sleep(0.5)
 
 
+# ---------------------------------------------------------------- daemon state (gRPC)
+
+
+def kv_state(stub) -> tuple[int, int, int]:
+    """(requests in flight, KV tokens held now, KV tokens in the last heartbeat's load) of a
+    daemon, from a SglangScheduler `stub` (smg-grpc-proto). In flight: the servicer's open
+    calls plus the scheduler's running and waiting requests (a cancelled request leaves the
+    servicer at once, the scheduler a step later). Scheduler stats that did not answer in
+    time (GetServerInfo gives {"error": ...} then) count as -1: unknown is never free."""
+    from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+    info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    fields = info.scheduler_info.fields
+    keys = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens")
+    if not all(k in fields for k in keys):
+        return -1, -1, -1
+    running, waiting, live = (int(fields[k].number_value) for k in keys)
+    load = stub.GetLoads(pb.GetLoadsRequest(include=["core"]), timeout=10).loads[0]
+    return info.active_requests + running + waiting, live, load.num_used_tokens
+
+
+def wait_kv_free(stub, timeout: float = 30.0) -> tuple[int, int, int]:
+    """Poll `kv_state` until nothing is in flight and no KV block is held, (0, 0, 0), or
+    `timeout` passes; returns the last state. Only meaningful where no other request can be
+    running (the session daemon serves one test at a time)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = kv_state(stub)
+        if state == (0, 0, 0) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.25)
+
+
 # ---------------------------------------------------------------- HTTP (stdlib only)
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))

@@ -19,12 +19,13 @@ import pytest
 from grpc_health.v1 import health_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from helpers import SCHEDULER_SERVICE, Daemon, _group_members, child_pids
+from helpers import SCHEDULER_SERVICE, Daemon, _group_members, child_pids, wait_kv_free
 
 VOCAB_SIZE = 49152
 CONTEXT_LENGTH = 8192
 EOS = 2
 RPC_TIMEOUT = 180
+KV_FREE = (0, 0, 0)  # wait_kv_free: (requests in flight, KV tokens held, KV tokens in the last load)
 
 
 # ------------------------------------------------------------------ request helpers
@@ -47,14 +48,24 @@ def sampling(max_new_tokens=None, **kw) -> pb.SamplingParams:
     return sp
 
 
-def make_request(input_ids, *, max_new_tokens=16, stream=False, rid=None, params=None, **kw) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
+def make_request(input_ids, *, max_new_tokens=16, stream=False, rid=None, params=None, cache_salt=None,
+                 **kw) -> pb.GenerateRequest:
+    """`cache_salt` (custom_params, as the router forwards it) keeps the prompt's blocks apart
+    from every other request's: pass a fresh one where a test needs a cold prefix cache."""
+    req = pb.GenerateRequest(
         request_id=rid or f"e2e-{uuid.uuid4().hex[:16]}",
         tokenized=pb.TokenizedInput(original_text="", input_ids=list(input_ids)),
         sampling_params=params if params is not None else sampling(max_new_tokens, **kw),
         stream=stream,
         logprob_start_len=-1,
     )
+    if cache_salt is not None:
+        req.sampling_params.custom_params.update({"cache_salt": cache_salt})
+    return req
+
+
+def fresh_salt() -> str:
+    return f"salt-{uuid.uuid4().hex}"
 
 
 def generate(stub, req, timeout=RPC_TIMEOUT):
@@ -110,11 +121,21 @@ def sched_stat(stub, key):
 
 def num_busy(stub) -> int:
     """Requests the servicer has in flight plus those the scheduler still runs or queues
-    (a cancelled request leaves the servicer at once and the scheduler a step later)."""
+    (a cancelled request leaves the servicer at once and the scheduler a step later).
+    Scheduler stats that did not answer in time (scheduler_info is then {"error": ...})
+    count as one busy request: unknown is not idle."""
     info = server_info(stub)
     fields = info.scheduler_info.fields
-    queued = sum(int(fields[k].number_value) for k in ("num_running_reqs", "num_waiting_reqs") if k in fields)
+    if "num_running_reqs" not in fields or "num_waiting_reqs" not in fields:
+        return info.active_requests + 1
+    queued = sum(int(fields[k].number_value) for k in ("num_running_reqs", "num_waiting_reqs"))
     return info.active_requests + queued
+
+
+def num_running(stub) -> int | None:
+    """Requests the scheduler runs now; None when its stats did not answer in time."""
+    fields = server_info(stub).scheduler_info.fields
+    return int(fields["num_running_reqs"].number_value) if "num_running_reqs" in fields else None
 
 
 def wait_idle(stub, timeout=15.0):
@@ -214,10 +235,10 @@ def test_concurrent_generate_batches(grpc_stub, tokenizer):
                for i, w in enumerate(["cat", "dog", "king", "robot", "tree", "ship", "bird", "girl",
                                       "wizard", "fox", "city", "river", "baker", "knight", "whale", "cloud"])]
     n_new = 12
-    t0 = time.monotonic()
-    refs = [greedy_ids(grpc_stub, p, max_new_tokens=n_new, ignore_eos=True)[0] for p in prompts]
-    t_seq = time.monotonic() - t0
+    assert wait_idle(grpc_stub) == 0
     steps_before = sched_stat(grpc_stub, "steps")
+    refs = [greedy_ids(grpc_stub, p, max_new_tokens=n_new, ignore_eos=True)[0] for p in prompts]
+    seq_steps = sched_stat(grpc_stub, "steps") - steps_before  # >= 16 x 12: one token per step
 
     start = threading.Barrier(len(prompts))
 
@@ -225,10 +246,10 @@ def test_concurrent_generate_batches(grpc_stub, tokenizer):
         start.wait(timeout=30)
         return one_complete(grpc_stub, make_request(p, max_new_tokens=n_new, ignore_eos=True))
 
-    t0 = time.monotonic()
+    steps_before = sched_stat(grpc_stub, "steps")
     with ThreadPoolExecutor(len(prompts)) as ex:
         results = list(ex.map(one, prompts))
-    t_conc = time.monotonic() - t0
+    conc_steps = sched_stat(grpc_stub, "steps") - steps_before
 
     for p, ref, c in zip(prompts, refs, results):
         assert c.finish_reason == "length"
@@ -238,9 +259,11 @@ def test_concurrent_generate_batches(grpc_stub, tokenizer):
         # least; later ones could flip on float near-ties between batch shapes).
         assert list(c.output_ids)[:8] == ref[:8]
     assert sched_stat(grpc_stub, "max_batch_size") > 1
-    assert sched_stat(grpc_stub, "steps") > steps_before
-    print(f"16 x {n_new} tokens: sequential {t_seq:.2f} s, concurrent {t_conc:.2f} s")
-    assert t_conc < t_seq, f"16 concurrent requests ({t_conc:.2f} s) no faster than one by one ({t_seq:.2f} s)"
+    print(f"16 x {n_new} tokens: {seq_steps} engine steps one by one, {conc_steps} concurrently")
+    # Counted in engine steps, not seconds (a shared CPU makes wall time noisy): batched,
+    # the 16 requests share their steps (~12 when they all arrive at once).
+    assert seq_steps >= len(prompts) * n_new, seq_steps
+    assert 0 < conc_steps <= seq_steps // 2, f"16 concurrent requests took {conc_steps} steps, one by one {seq_steps}"
 
 
 def test_64_concurrent_requests_finish_and_free_their_kv(grpc_stub):
@@ -285,6 +308,8 @@ def test_max_new_tokens_gives_length(grpc_stub, story, n, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_token_ids(grpc_stub, france, stream):
+    """A stop token id ends the output with that token included (as EOS is, and as the
+    reference servicer sends it: the router decodes with skip_special_tokens)."""
     base, _ = greedy_ids(grpc_stub, france, max_new_tokens=16)
     assert len(base) >= 3, base
     stop_id = base[2]
@@ -295,7 +320,7 @@ def test_stop_token_ids(grpc_stub, france, stream):
     assert c.finish_reason == "stop"
     assert c.WhichOneof("matched_stop") == "matched_token_id"
     assert c.matched_token_id == stop_id
-    assert out in (base[: idx + 1], base[:idx]), (out, base, stop_id)
+    assert out == base[: idx + 1], (out, base, stop_id)
     assert c.completion_tokens == len(out)
 
 
@@ -405,7 +430,7 @@ def test_daemon_healthy_after_bad_inputs(grpc_stub, story):
     assert h.healthy, h.message
     out, c = greedy_ids(grpc_stub, story, max_new_tokens=4, ignore_eos=True)
     assert len(out) == 4 and c.finish_reason == "length"
-    assert wait_idle(grpc_stub) == 0
+    assert wait_kv_free(grpc_stub) == KV_FREE, "the daemon still runs a request or holds KV"
 
 
 def _with(field, value):
@@ -433,6 +458,8 @@ UNSERVABLE = {  # fields the daemon cannot honour, or asks too much of: (tweak, 
     "too_many_stop_strings": (lambda r: r.sampling_params.stop.extend(f"s{i}" for i in range(65)),
                               grpc.StatusCode.INVALID_ARGUMENT),
     "stop_string_too_long": (lambda r: r.sampling_params.stop.append("q" * 513), grpc.StatusCode.INVALID_ARGUMENT),
+    "stop_token_id_over_vocab": (lambda r: r.sampling_params.stop_token_ids.append(VOCAB_SIZE),
+                                 grpc.StatusCode.INVALID_ARGUMENT),
 }
 
 
@@ -469,49 +496,56 @@ def test_an_id_clashing_with_a_sequence_id_in_flight_is_refused(grpc_stub, story
 
 
 def test_abort_unknown_request_is_noop(grpc_stub):
-    r = grpc_stub.Abort(pb.AbortRequest(request_id="no-such-request", reason="test"), timeout=5)
-    assert isinstance(r.success, bool)
-    # twice is fine too
-    grpc_stub.Abort(pb.AbortRequest(request_id="no-such-request", reason="test"), timeout=5)
+    """Abort of an id nobody runs changes nothing and says so (success false, not found)."""
+    for _ in range(2):  # twice is fine too
+        r = grpc_stub.Abort(pb.AbortRequest(request_id="no-such-request", reason="test"), timeout=5)
+        assert r.success is False and "not found" in r.message, r
 
 
 def test_abort_stops_a_running_stream(grpc_stub, story):
     """The router sends Abort{rid, "Stream dropped"} when a streaming client leaves and keeps
-    reading; the daemon must stop generating and end the stream."""
+    reading; the daemon must stop generating and end the stream, and free its KV."""
     limit = 4000
     req = make_request(story, max_new_tokens=limit, stream=True, ignore_eos=True)
-    call = grpc_stub.Generate(req, timeout=120)
+    call = grpc_stub.Generate(req, timeout=RPC_TIMEOUT)
     got = 0
-    last_kind = None
+    reply = ended = None
     t_abort = None
     try:
         for m in call:
-            last_kind = m.WhichOneof("response")
-            if last_kind == "chunk":
+            if m.WhichOneof("response") == "chunk":
                 got += len(m.chunk.token_ids)
-                if t_abort is None and got >= 2:
-                    grpc_stub.Abort(pb.AbortRequest(request_id=req.request_id, reason="Stream dropped"), timeout=5)
+                if reply is None and got >= 2:
+                    reply = grpc_stub.Abort(pb.AbortRequest(request_id=req.request_id, reason="Stream dropped"),
+                                            timeout=10)
                     t_abort = time.monotonic()
             else:
-                assert m.complete.finish_reason == "abort", m.complete.finish_reason
+                ended = m.complete
                 break
     except grpc.RpcError as e:  # ending the stream with a status is acceptable too
         assert e.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED), (e.code(), e.details())
-    assert t_abort is not None
-    assert time.monotonic() - t_abort < 10, "the stream went on long after Abort"
+        ended = e
+    assert reply is not None and reply.success, reply
+    assert ended is not None, "the stream ended with neither a Complete nor a status"
+    if not isinstance(ended, grpc.RpcError):
+        assert ended.finish_reason == "abort" and ended.completion_tokens < limit, ended
+    assert time.monotonic() - t_abort < 60, "the stream went on long after Abort"
     assert got < limit
-    assert wait_idle(grpc_stub) == 0, "the aborted request is still active"
+    assert wait_kv_free(grpc_stub) == KV_FREE, "the aborted request still runs or holds KV"
 
 
 def test_client_cancel_frees_the_request(grpc_stub, story):
-    """A non-streaming client that disconnects cancels the RPC (no Abort is sent)."""
+    """A non-streaming client that disconnects cancels the RPC (no Abort is sent): the
+    request that was running stops and frees its KV."""
+    assert wait_kv_free(grpc_stub) == KV_FREE, "KV held before the test started"
     req = make_request(story, max_new_tokens=4000, ignore_eos=True)
-    call = grpc_stub.Generate(req, timeout=120)
-    deadline = time.monotonic() + 30
-    while server_info(grpc_stub).active_requests == 0 and time.monotonic() < deadline:
+    call = grpc_stub.Generate(req, timeout=RPC_TIMEOUT)
+    deadline = time.monotonic() + 60
+    while (running := num_running(grpc_stub)) != 1 and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert running == 1 and server_info(grpc_stub).active_requests == 1, "the request never started running"
     call.cancel()
-    assert wait_idle(grpc_stub) == 0, "the cancelled request is still active"
+    assert wait_kv_free(grpc_stub) == KV_FREE, "the cancelled request still runs or holds KV"
 
 
 def test_n_sequences_refused_together_free_their_id(grpc_stub, story):
@@ -550,7 +584,7 @@ def test_an_id_reused_right_after_a_cancel_gets_its_own_tokens(grpc_stub, story)
             assert time.monotonic() < deadline, "the cancelled request's id never came free"
             time.sleep(0.02)
     assert done.finish_reason == "length" and len(done.output_ids) == 8, done
-    assert wait_idle(grpc_stub) == 0, "a request is left running with nobody to receive it"
+    assert wait_kv_free(grpc_stub) == KV_FREE, "a request is left running (or holding KV) with nobody to receive it"
 
 
 # ------------------------------------------------------------------ info, loads, health
@@ -576,6 +610,30 @@ def test_tokenizer_path_is_loadable(model_info, tokenizer):
     assert os.path.isfile(os.path.join(model_info.tokenizer_path, "tokenizer.json"))
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == EOS
     assert tokenizer.chat_template, "the router needs a chat template in the tokenizer dir"
+
+
+def test_get_tokenizer_streams_the_tokenizer_files_as_a_checked_zip(grpc_stub, model_info):
+    """GetTokenizer (what a router that cannot read tokenizer_path fetches, contract §3):
+    chunks that join into a ZIP of the tokenizer files, flat names, tokenizer.json identical
+    to the daemon's, and the whole archive's sha256 on the last chunk only."""
+    import hashlib
+    import io
+    import zipfile
+
+    from smg_grpc_proto.generated import common_pb2
+
+    chunks = list(grpc_stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=120))
+    assert len(chunks) > 1, "tokenizer.json alone is megabytes: expected several chunks"
+    assert all(c.data for c in chunks) and not any(c.sha256 for c in chunks[:-1])
+    data = b"".join(c.data for c in chunks)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        assert zf.testzip() is None
+        names = zf.namelist()
+        assert "tokenizer.json" in names and "tokenizer_config.json" in names, names
+        assert all("/" not in n for n in names), names
+        with open(os.path.join(model_info.tokenizer_path, "tokenizer.json"), "rb") as f:
+            assert zf.read("tokenizer.json") == f.read()
 
 
 def test_get_server_info(grpc_stub):
@@ -620,15 +678,22 @@ def test_gen_throughput_falls_to_zero_when_idle(grpc_stub, story):
 
 
 def test_health_check_rpc_is_fast(grpc_stub):
+    """HealthCheck answers from the servicer's own view: it runs no generation (SGLang's
+    does), so the engine takes no step for it."""
+    assert wait_idle(grpc_stub) == 0
+    before = sched_stat(grpc_stub, "steps"), sched_stat(grpc_stub, "num_generated_tokens")
     t0 = time.monotonic()
-    h = grpc_stub.HealthCheck(pb.HealthCheckRequest(), timeout=5)
+    for _ in range(3):
+        h = grpc_stub.HealthCheck(pb.HealthCheckRequest(), timeout=10)
+        assert h.healthy, h.message
     dt = time.monotonic() - t0
-    assert h.healthy, h.message
-    assert dt < 1.0, f"HealthCheck took {dt:.2f} s"
+    assert (sched_stat(grpc_stub, "steps"), sched_stat(grpc_stub, "num_generated_tokens")) == before
+    assert dt < 10.0, f"3 HealthChecks took {dt:.2f} s"  # a slow answer would be a hang, not noise
 
 
 def test_health_check_rpc_fast_under_load(grpc_stub, story):
-    """The router's first probe gives up after about 2 s; HealthCheck must not queue behind generation."""
+    """The router's first probe gives up after about 2 s; HealthCheck must not queue behind
+    generation: it answers healthy while four long streams run."""
     # Four streams that generate until cancelled, so every probe meets a busy scheduler.
     load = [grpc_stub.Generate(make_request(story * 4, max_new_tokens=2000, stream=True, ignore_eos=True),
                                timeout=RPC_TIMEOUT) for _ in range(4)]
@@ -638,28 +703,30 @@ def test_health_check_rpc_fast_under_load(grpc_stub, story):
         worst = 0.0
         for _ in range(5):
             t0 = time.monotonic()
-            h = grpc_stub.HealthCheck(pb.HealthCheckRequest(), timeout=5)
+            h = grpc_stub.HealthCheck(pb.HealthCheckRequest(), timeout=10)
             worst = max(worst, time.monotonic() - t0)
             assert h.healthy, h.message
             time.sleep(0.2)
     finally:
         for call in load:
             call.cancel()
-    assert wait_idle(grpc_stub) == 0
-    assert worst < 2.0, f"HealthCheck took {worst:.2f} s while generating"
+    assert wait_kv_free(grpc_stub) == KV_FREE, "the cancelled streams still run or hold KV"
+    # ~ms normally; the bound only has to stay below what the router tolerates, with room
+    # for a loaded 2-core machine
+    assert worst < 5.0, f"HealthCheck took {worst:.2f} s while generating"
 
 
 def test_health_stays_up_during_long_prefill(grpc_stub, health_stub):
     """A busy scheduler is not a dead one (contract §4: readiness may drop only after 30 s
     without output while requests are pending; liveness '' never for mere load; GetLoads
     must keep answering while generation runs, §10)."""
-    prompt = [1000 + (i * 7919) % 40000 for i in range(3000)]  # no prefix-cache hits
+    prompt = [1000 + (i * 7919) % 40000 for i in range(3000)]
     done = threading.Event()
     result = {}
 
     def run():
-        try:
-            result["c"] = one_complete(grpc_stub, make_request(prompt, max_new_tokens=1))
+        try:  # a fresh salt: no prefix-cache hit, the whole prompt is prefilled
+            result["c"] = one_complete(grpc_stub, make_request(prompt, max_new_tokens=1, cache_salt=fresh_salt()))
         except Exception as e:  # noqa: BLE001 - reported below
             result["e"] = e
         finally:
@@ -668,8 +735,9 @@ def test_health_stays_up_during_long_prefill(grpc_stub, health_stub):
     t = threading.Thread(target=run)
     t.start()
     problems = []
+    probes = 0  # rounds finished while the request was in flight
     try:
-        while not done.wait(0.25):
+        while not done.wait(0.05):
             live = health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
             ready = health_stub.Check(health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=5).status
             h = grpc_stub.HealthCheck(pb.HealthCheckRequest(), timeout=5)
@@ -686,10 +754,13 @@ def test_health_stays_up_during_long_prefill(grpc_stub, health_stub):
                 problems.append(f"HealthCheck healthy=false ({h.message})")
             if loads_ok is not True:
                 problems.append(f"GetLoads {loads_ok}")
+            probes += not done.is_set()
     finally:
         t.join(timeout=RPC_TIMEOUT)
     assert "e" not in result, result.get("e")
+    assert result["c"].cached_tokens == 0 and result["c"].prompt_tokens == len(prompt), result["c"]
     assert not problems, sorted(set(problems))
+    assert probes >= 2, f"only {probes} probe round(s) during the prefill: nothing was checked"
 
 
 def test_flush_cache_drops_the_prefix_cache(grpc_stub, story):
@@ -734,24 +805,43 @@ def test_bf16_daemon_answers_and_frees_its_kv(tmp_path, tokenizer, france, story
 
 @pytest.mark.parametrize("target", ["leader", "group"])
 def test_sigterm_drains_in_flight_requests(tmp_path, target):
-    """SIGTERM lets an in-flight stream finish, then the daemon exits 0 and leaves no process behind."""
+    """SIGTERM lets an in-flight stream finish; while it drains, health says NOT_SERVING and
+    a new call gets UNAVAILABLE; then the daemon exits 0 and leaves no process behind. (The
+    grace period is far longer than the stream needs: this checks order, not speed.)"""
+    from grpc_health.v1 import health_pb2_grpc
     from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-    with Daemon(max_running_requests=4, kv_cache_tokens=2048, log_dir=tmp_path) as d:
+    n = 32  # the stream outlasts the few calls made while it drains many times over
+    with Daemon(max_running_requests=4, kv_cache_tokens=2048, log_dir=tmp_path,
+                extra_args=["--shutdown-grace-period", "600"]) as d:
         with grpc.insecure_channel(d.address) as ch:
             stub = pb_grpc.SglangSchedulerStub(ch)
-            req = make_request([6403, 1980, 253, 655], max_new_tokens=40, ignore_eos=True, stream=True)
-            call = stub.Generate(req, timeout=RPC_TIMEOUT)
+            health = health_pb2_grpc.HealthStub(ch)
+            req = make_request([6403, 1980, 253, 655], max_new_tokens=n, ignore_eos=True, stream=True)
+            call = stub.Generate(req, timeout=600)
             first = next(call)
             assert first.WhichOneof("response") == "chunk"
             if target == "leader":
                 os.kill(d.proc.pid, signal.SIGTERM)
             else:
                 os.killpg(d.proc.pid, signal.SIGTERM)
+            # An answer (rather than a refused call) means the server is still up: draining.
+            deadline = time.monotonic() + 60
+            while (status := health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status) \
+                    == health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline, "still SERVING 60 s after SIGTERM"
+                time.sleep(0.02)
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            ready = health.Check(health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=10).status
+            assert ready == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as ei:
+                generate(stub, make_request([6403, 1980], max_new_tokens=1), timeout=60)
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in ei.value.details(), (
+                ei.value.code(), ei.value.details())
             msgs = [first] + list(call)
             assert msgs[-1].WhichOneof("response") == "complete"
             assert msgs[-1].complete.finish_reason == "length"
-            assert sum(len(m.chunk.token_ids) for m in msgs if m.WhichOneof("response") == "chunk") == 40
+            assert sum(len(m.chunk.token_ids) for m in msgs if m.WhichOneof("response") == "chunk") == n
         assert d.proc.wait(timeout=60) == 0, d.log_tail()
         deadline = time.monotonic() + 10
         while _group_members(d.proc.pid) and time.monotonic() < deadline:
@@ -759,25 +849,42 @@ def test_sigterm_drains_in_flight_requests(tmp_path, target):
         assert not _group_members(d.proc.pid), "a daemon process outlived the SIGTERM"
 
 
-def test_requests_cut_off_by_shutdown_end_unavailable(tmp_path):
-    """Past the grace period an in-flight call ends with UNAVAILABLE (the router retries it on
-    another worker), not with a truncated answer that looks complete; the daemon still exits 0."""
+@pytest.mark.parametrize("cut_by", ["grace_period", "second_sigterm"])
+def test_requests_cut_off_by_shutdown_end_unavailable(tmp_path, cut_by):
+    """Past the grace period, or at a second SIGTERM while draining (an operator who will not
+    wait), an in-flight call ends with UNAVAILABLE (the router retries it on another worker),
+    not with a truncated answer that looks complete; the daemon still exits 0."""
+    from grpc_health.v1 import health_pb2_grpc
     from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+    grace = "0.5" if cut_by == "grace_period" else "600"
     with Daemon(max_running_requests=4, kv_cache_tokens=4096, log_dir=tmp_path,
-                extra_args=["--shutdown-grace-period", "0.5"]) as d:
+                extra_args=["--shutdown-grace-period", grace]) as d:
         with grpc.insecure_channel(d.address) as ch:
             stub = pb_grpc.SglangSchedulerStub(ch)
             req = make_request([6403, 1980, 253, 655], max_new_tokens=3000, ignore_eos=True, stream=True)
             call = stub.Generate(req, timeout=RPC_TIMEOUT)
             assert next(call).WhichOneof("response") == "chunk"
             os.kill(d.proc.pid, signal.SIGTERM)
+            if cut_by == "second_sigterm":
+                # the first one handled (draining: NOT_SERVING; two signals pending at once
+                # would merge into one), the stream still going: now the second
+                health = health_pb2_grpc.HealthStub(ch)
+                deadline = time.monotonic() + 60
+                while health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    assert time.monotonic() < deadline, "still SERVING 60 s after SIGTERM"
+                    time.sleep(0.02)
+                assert next(call).WhichOneof("response") == "chunk"
+                os.kill(d.proc.pid, signal.SIGTERM)
             with pytest.raises(grpc.RpcError) as ei:
                 for _ in call:
                     pass
             assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, ei.value
             assert "shutting down" in ei.value.details()
         assert d.proc.wait(timeout=60) == 0, d.log_tail()
+        if cut_by == "second_sigterm":
+            assert "second stop signal" in d.log_tail(200), d.log_tail()
 
 
 def test_a_scheduler_dying_while_draining_still_exits_1(tmp_path):

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from helpers import kv_state, wait_kv_free
 from test_e2e_grpc import make_request, one_complete, sampling
 from test_e2e_router import QUESTION, ok_json
 
@@ -287,23 +288,6 @@ def test_temperature_with_seed(router, model):
 
 
 # ------------------------------------------------------------------ client disconnect
-
-
-def kv_state(grpc_stub):
-    """(in-flight requests, KV tokens held now (live stats), KV tokens in the last heartbeat)."""
-    info = grpc_stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
-    live = info.scheduler_info.fields["num_used_tokens"].number_value
-    load = grpc_stub.GetLoads(pb.GetLoadsRequest(include=["core"]), timeout=10).loads[0]
-    return info.active_requests, int(live), load.num_used_tokens
-
-
-def wait_kv_free(grpc_stub, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        state = kv_state(grpc_stub)
-        if state == (0, 0, 0) or time.monotonic() > deadline:
-            return state
-        time.sleep(0.25)
 
 
 def test_non_stream_disconnect_frees_kv(router, model, grpc_stub, reference):

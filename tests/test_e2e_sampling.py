@@ -13,7 +13,9 @@ import grpc
 import pytest
 import torch
 
-from test_e2e_grpc import chunks_of, completes_of, generate, greedy_ids, make_request, one_complete, sampling, wait_idle
+from helpers import wait_kv_free
+from test_e2e_grpc import (KV_FREE, chunks_of, completes_of, fresh_salt, generate, greedy_ids, make_request,
+                           one_complete, sampling)
 
 EOS = 2
 
@@ -96,8 +98,10 @@ def test_n_seeded_choices_differ(grpc_stub, story):
 def test_n_sequences_compute_their_prompt_once(grpc_stub):
     """n > 1 arrives as n sequences at once: the first computes the prompt, the others wait a
     step and take its blocks from the prefix cache (all but the block holding the last token)."""
-    prompt = random.Random(7).choices(range(1000, 40000), k=100)  # cached nowhere yet
-    msgs = generate(grpc_stub, make_request(prompt, params=seeded(3, max_new_tokens=4, temperature=1.0, n=4)))
+    prompt = random.Random(7).choices(range(1000, 40000), k=100)
+    # a fresh cache salt: cached nowhere yet, even when this test runs again on the same daemon
+    msgs = generate(grpc_stub, make_request(prompt, params=seeded(3, max_new_tokens=4, temperature=1.0, n=4),
+                                            cache_salt=fresh_salt()))
     cached = sorted(c.cached_tokens for c in completes_of(msgs))
     assert cached == [0, 96, 96, 96], cached
 
@@ -352,4 +356,4 @@ def test_a_grammar_with_no_way_to_finish_is_invalid_argument(grpc_stub, story, g
         generate(grpc_stub, make_request(story, params=sp), timeout=60)
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (ei.value.code(), ei.value.details())
     assert "allows no token" in ei.value.details(), ei.value.details()
-    assert wait_idle(grpc_stub) == 0
+    assert wait_kv_free(grpc_stub) == KV_FREE, "the refused request still runs or holds KV"

@@ -120,7 +120,12 @@ def test_engine_steps_launch_only_warmed_up_kernel_variants(monkeypatch, small_b
         prompt = torch.randint(1, 300, (1 + i % 3,), generator=g).tolist()
         phases[1].append((prompt, 12 + i % 40))
     engine = Engine(config, runner)
-    for temperature, phase in zip((0.7, 0.0), phases):  # sampled rows (fused sampler) in phase 1: it is slow here
+    # Sampled rows (the fused and filter kernels) in phase 1, under the interpreter most of
+    # this test's time; the sampler launches the same variants whatever the projections
+    # run on, so with small_batch_gemv (what that run checks: its projection kernels) every
+    # row is greedy: the same batch shapes, the sampler's kernels left to the cublas run.
+    sampled = 0.0 if small_batch_gemv else 0.7
+    for temperature, phase in zip((sampled, 0.0), phases):
         params = [SamplingParams(max_new_tokens=m, temperature=temperature * (i % 2), ignore_eos=True)
                   for i, (_, m) in enumerate(phase)]
         for i, p in enumerate(params):  # a few filtered and seeded rows (the filter kernel)
@@ -138,8 +143,8 @@ def test_engine_steps_launch_only_warmed_up_kernel_variants(monkeypatch, small_b
     unstable = {cfg: keys for cfg, keys in by_config.items() if len(keys) > 1}
     assert not unstable, f"per-step values change these kernels' specialisation: {unstable}"
     names = {name for name, _, _ in stepped}
-    assert {"_unified_attention_kernel", "_combine_splits_kernel", "_qkv_rope_store_kernel",
-            "_gumbel_argmax_kernel", "_filtered_sample_kernel"} <= names
+    assert {"_unified_attention_kernel", "_combine_splits_kernel", "_qkv_rope_store_kernel"} <= names
+    assert {"_gumbel_argmax_kernel", "_filtered_sample_kernel"} <= names or small_batch_gemv
     splits = {dict(c)["NUM_SPLITS"] for n, c, _ in stepped if n == "_unified_attention_kernel"}
     assert {1, 2, 4, 8, 16} <= splits  # prefill/mixed steps and every decode split factor ran
     assert ("_small_batch_linear_kernel" in names) == small_batch_gemv
