@@ -86,7 +86,6 @@ class BatchSampler:
         # makes the host wait (kernels.triton_filtered_sampling), so they keep the overlap.
         # (``triton``: the runner's choice, None: on CUDA when Triton is installed)
         self.fused_sampling = triton if triton is not None else device.type == "cuda" and triton_available()
-        self.filter_kernel = self.fused_sampling
         self.seeds = torch.Generator().manual_seed(generator.initial_seed())  # per-step kernel seeds, on the host
 
     def compile_kernels(self, hidden: torch.Tensor) -> None:
@@ -95,7 +94,6 @@ class BatchSampler:
             from kernels.triton_sampling import gumbel_sample
 
             gumbel_sample(self.model.compute_logits(hidden[:1]), torch.ones(1, device=self.device), 0)
-        if self.filter_kernel:
             params = SamplingTensors.build([1.0], [0.9], [20], self.device, min_p=[0.1], vocab=self.vocab_size,
                                            upload=self.upload, kernel_generator=self.generator)
             sample(self.model.compute_logits(hidden[:1]).float(), params)
@@ -227,7 +225,7 @@ class BatchSampler:
             extra["banned"] = (index[0], index[1])
         return SamplingTensors.build(
             temperature, top_p, top_k, dev, min_p=min_p if any_min_p else None, seeded=seeded, vocab=vocab,
-            upload=self.upload, kernel_generator=self.generator if self.filter_kernel else None, **extra,
+            upload=self.upload, kernel_generator=self.generator if self.fused_sampling else None, **extra,
         )
 
     # -- logprobs ----------------------------------------------------------------------
