@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=e.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight and KV dtype: auto (float32 on CPU, bfloat16 on accelerators), "
                    "float32, bfloat16 or float16; bfloat16 also suits CPUs with bf16 instructions "
-                   "(AVX512-BF16, AMX), where it runs ~1.9x faster than float32")
+                   "(AVX512-BF16, AMX), where it runs about twice as fast as float32")
     p.add_argument("--max-running-requests", type=_COUNT, default=e.max_running_requests,
                    help="most requests decoded together in one step; more wait in the queue")
     p.add_argument("--max-queued-requests", type=_number(int, 0), default=e.max_queued_requests,
