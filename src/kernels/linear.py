@@ -7,9 +7,9 @@ explained (2-core EPYC, SmolLM2 shapes, in-process A/B):
   from DRAM at ~12 GB/s; the native ``few_rows_linear`` (csrc/gemv.c) streams them at
   22-32 GB/s: the 30 layers' projections at one row take 35 -> 13 ms in fp32 and
   16 -> 7 ms in bf16, at four rows 47 -> 19 and 18 -> 13 ms. On a 2-core Xeon with AMX
-  (another machine of this kind) torch's fp32 GEMV is as fast as the native one in a
-  decode step, and in bf16 the native one (with AVX512-BF16 dot products) passes over the
-  weights at one row in 18.5 ms against torch's 26.1, at four rows 25.6 against 29.2.
+  (another machine of this kind) a pass over all of SmolLM2's weights at one row takes
+  9.8 ms in bf16 (AVX512-BF16 dot products; torch 23.6) and 20.0 in fp32 (torch 20.9), at
+  four rows 14.5 (torch 22.3) and 22.9 (torch 34.9).
 
 * Short batches: ``weight @ x.T`` (made contiguous afterwards) beats ``F.linear`` on a few
   dozen rows: the layer projections at 16 rows 10-25% faster, a whole decode step at 64

@@ -3,8 +3,9 @@
 Started by the servicer as ``python -m scheduler.process --config JSON --inbox ADDR --outbox ADDR``.
 Sends EngineReady once the model is loaded and a StepOutput after every step that
 produced something. A separate thread sends a Heartbeat every ``HEARTBEAT_S``, also
-while a long step runs, carrying the latest load snapshot and how long the current
-step has been running: the servicer tells a busy scheduler from a dead or stuck one.
+while a long step runs, carrying the load (as of the running step's start, else the
+latest) and how long the current step has been running: the servicer tells a busy
+scheduler from a dead or stuck one.
 
 Only the servicer stops this process (a "shutdown" control call, or SIGKILL): a
 SIGTERM/SIGINT sent to the whole process group is ignored while the parent lives, so

@@ -5,8 +5,9 @@ waiting requests in arrival order with prefix lookup, the last one possibly chun
 waiting request whose next prompt block another request is computing is passed over
 for the step and takes that block from the cache on the next. When the pool runs dry
 the newest running request is preempted by recompute: its blocks are freed and it goes
-back to the head of the queue with its tokens so far (one with a token in flight waits
-for that token instead: it may finish and free its blocks).
+back to the head of the queue with its tokens so far (a running request short of blocks
+while its token is in flight waits for that token instead of preempting: it may finish
+and free its blocks).
 """
 
 from __future__ import annotations

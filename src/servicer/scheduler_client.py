@@ -29,7 +29,6 @@ from scheduler.messages import (
     Heartbeat,
     KvEvents,
     LoadSnapshot,
-    RequestOutput,
     StepOutput,
     from_scheduler_decoder,
     to_scheduler_encoder,
