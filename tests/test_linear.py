@@ -26,13 +26,14 @@ def test_linear_matches_f_linear(rows, with_bias, columns):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("outputs", [1000, 1003, 3])  # whole blocks of 4 weight rows; a tail; only a tail
-def test_few_rows_linear_matches_f_linear(dtype, rows, with_bias, outputs):
+@pytest.mark.parametrize("inputs", [576, 96])  # 96: a multiple of 32, not of 64
+def test_few_rows_linear_matches_f_linear(dtype, rows, with_bias, outputs, inputs):
     """The native few-row kernel (csrc/gemv.c), which ``linear`` takes for <= 4 rows."""
     if cpu_kernels.load_library("gemv", dtype) is None:
         pytest.skip("no C compiler: native kernel unavailable")
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 576, generator=g).to(dtype)
-    w = torch.randn(outputs, 576, generator=g).to(dtype)
+    x = torch.randn(rows, inputs, generator=g).to(dtype)
+    w = torch.randn(outputs, inputs, generator=g).to(dtype)
     b = torch.randn(outputs, generator=g).to(dtype) if with_bias else None
     out = cpu_kernels.few_rows_linear(x, w, b)
     assert out is not None and out.dtype == dtype and out.shape == (rows, outputs)

@@ -59,3 +59,50 @@ def test_a_heartbeat_never_pairs_a_steps_final_load_with_its_running_time():
         engine.heartbeat.socket.close()
         inbox.close()
         ctx.term()
+
+
+class RefusingEngine(OneStepEngine):
+    """Refuses every request (as for a prompt past the context) and has no work."""
+
+    def has_work(self) -> bool:
+        return False
+
+    def add_request(self, msg):
+        from scheduler.scheduler import AdmissionError
+
+        raise AdmissionError("INVALID_ARGUMENT", "too long")
+
+    def finished_outputs(self):
+        return []
+
+    def refresh_load(self) -> None:
+        self.load = LoadSnapshot(version=self.load.version + 1)
+
+
+def test_a_refusal_between_steps_sends_the_load_the_heartbeat_reports():
+    """Requests handled between steps change the load too: the StepOutput that reports the
+    refusal and the next heartbeat carry the same snapshot, with no step running."""
+    from scheduler.messages import AddRequest, SamplingParams, to_scheduler_encoder
+
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind("inproc://scheduler-loop-refusal")
+    sender = ctx.socket(zmq.PUSH)
+    sender.connect("inproc://scheduler-loop-refusal")
+    engine = RefusingEngine()
+    loop = SchedulerLoop(engine, inbox, outbox=None)
+    sent = []
+    loop.send = sent.append
+    heartbeat = HeartbeatThread(ctx, "inproc://heartbeat-refusal", loop)
+    try:
+        sender.send(to_scheduler_encoder.encode(AddRequest("r", [1, 2, 3], SamplingParams())))
+        assert inbox.poll(5000)
+        loop._drain_inbox()
+        (out,) = sent
+        assert out.outputs[0].error_code == "INVALID_ARGUMENT" and out.load.version == 2
+        beat = heartbeat.current()
+        assert beat.load == out.load and beat.in_step_s == 0.0, beat
+    finally:
+        for s in (heartbeat.socket, sender, inbox):
+            s.close()
+        ctx.term()
