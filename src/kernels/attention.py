@@ -48,6 +48,7 @@ class AttentionMetadata:
     num_decodes: int = 0  # decode requests come first, one token each
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64
+    decode_max_seq_len: int = 0  # max(decode_seq_lens), known on the host when built
     prefills: list[PrefillSegment] = field(default_factory=list)
     # The varlen form the Triton kernel reads (build_varlen): any order of requests.
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int64
@@ -91,6 +92,7 @@ class AttentionMetadata:
         if num_decodes:
             meta.decode_block_tables = torch.from_numpy(table[:num_decodes]).to(device)
             meta.decode_seq_lens = torch.from_numpy(seq[:num_decodes]).to(device)
+            meta.decode_max_seq_len = int(seq[:num_decodes].max())
         q_start = num_decodes
         for i in range(num_decodes, len(query_lens)):
             q_len, s_len = query_lens[i], seq_lens[i]
@@ -246,9 +248,11 @@ def paged_attention(
     n = meta.num_decodes
     if n:
         native = cpu_kernels.paged_decode_attention(
-            q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+            q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+            max_seq_len=meta.decode_max_seq_len or None, out=out[:n],
         )
-        out[:n] = native if native is not None else decode_attention_torch(q[:n], k_flat, v_flat, meta, scale)
+        if native is None:
+            out[:n] = decode_attention_torch(q[:n], k_flat, v_flat, meta, scale)
     for seg in meta.prefills:
         query = q[seg.q_start : seg.q_end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
         if seg.mask is None and k_new is not None:  # keys are exactly this chunk's

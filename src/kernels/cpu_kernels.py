@@ -135,12 +135,15 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     shares: int = 0,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Decode attention straight from the paged cache; None when the native kernel does
     not apply (device, dtype, shapes, no compiler), so the caller uses the torch path.
     ``shares``: the requests' blocks, end to end, are cut into this many equal shares run
     in parallel (a request cut between two is attended in pieces, then merged); 0: one per
-    OpenMP thread, 1: no cut."""
+    OpenMP thread, 1: no cut. ``max_seq_len``: ``max(seq_lens)`` where the caller knows it
+    on the host (no reduction per call); ``out``: a contiguous ``q``-shaped tensor to write."""
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if (
@@ -164,9 +167,14 @@ def paged_decode_attention(
     q = q.contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lens = seq_lens.to(torch.int64).contiguous()
-    if n and int(lens.max()) > tables.shape[1] * block_size:  # the kernel would read past a table row
+    if max_seq_len is None:
+        max_seq_len = int(lens.max()) if n else 0
+    if max_seq_len > tables.shape[1] * block_size:  # the kernel would read past a table row
         return None
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif not (out.shape == q.shape and _cpu_elements(q.dtype, out) and out.is_contiguous()):
+        return None
     status = kernel(
         _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(tables), _ptr(lens), _ptr(out),
         n, heads, kv_heads, head_dim, block_size, tables.shape[1], scale, shares,
