@@ -58,13 +58,6 @@ static inline __attribute__((always_inline)) void rows_fp32(const float *xf, con
     }
 }
 
-static void gemv_fp32(const float *xf, const elem_t *w, const elem_t *bias, elem_t *out, int M, int N, int K) {
-    const int blocks = N / BLOCK;
-#pragma omp parallel for schedule(static)
-    for (int b = 0; b < blocks; b++) rows_fp32(xf, w, bias, out, M, N, K, b * BLOCK, BLOCK);
-    for (int n = blocks * BLOCK; n < N; n++) rows_fp32(xf, w, bias, out, M, N, K, n, 1);
-}
-
 #if defined(ELEM_BF16) && defined(__AVX512BF16__)
 #include <immintrin.h>
 /* bf16 on CPUs with AVX512-BF16: the dot-product instruction multiplies 32 bf16 pairs
@@ -91,26 +84,39 @@ static inline __attribute__((always_inline)) void rows_dpbf16(const elem_t *x, c
         store_row(out, bias, M, N, n + j, sums);
     }
 }
+#define DPBF16 1
+#endif
 
-static void gemv_dpbf16(const elem_t *x, const elem_t *w, const elem_t *bias, elem_t *out, int M, int N, int K) {
+/* x as the build's dot products read it: the stored bf16 values (DPBF16), else fp32. */
+static inline __attribute__((always_inline)) void rows(const void *xs, const elem_t *w, const elem_t *bias,
+                                                       elem_t *out, int M, int N, int K, int n, const int NR) {
+#ifdef DPBF16
+    rows_dpbf16((const elem_t *)xs, w, bias, out, M, N, K, n, NR);
+#else
+    rows_fp32((const float *)xs, w, bias, out, M, N, K, n, NR);
+#endif
+}
+
+/* Whole blocks of rows in parallel (contiguous runs per thread), then the N % BLOCK tail. */
+static void gemv(const void *xs, const elem_t *w, const elem_t *bias, elem_t *out, int M, int N, int K) {
     const int blocks = N / BLOCK;
 #pragma omp parallel for schedule(static)
-    for (int b = 0; b < blocks; b++) rows_dpbf16(x, w, bias, out, M, N, K, b * BLOCK, BLOCK);
-    for (int n = blocks * BLOCK; n < N; n++) rows_dpbf16(x, w, bias, out, M, N, K, n, 1);
+    for (int b = 0; b < blocks; b++) rows(xs, w, bias, out, M, N, K, b * BLOCK, BLOCK);
+    for (int n = blocks * BLOCK; n < N; n++) rows(xs, w, bias, out, M, N, K, n, 1);
 }
-#endif
 
 int KERNEL(few_rows_linear)(const elem_t *x, const elem_t *w, const elem_t *bias, elem_t *out, int M, int N,
                                int K) {
     if (M > MAX_ROWS || K % 32) return -1;
-#if defined(ELEM_BF16) && defined(__AVX512BF16__)
-    gemv_dpbf16(x, w, bias, out, M, N, K);
+#ifdef DPBF16
+    gemv(x, w, bias, out, M, N, K);
     return 0;
-#endif
+#else
     float *xf = aligned_alloc(32, sizeof(float) * (size_t)M * K);
     if (!xf) return -1;
     for (int64_t i = 0; i < (int64_t)M * K; i++) xf[i] = ld(x[i]);
-    gemv_fp32(xf, w, bias, out, M, N, K);
+    gemv(xf, w, bias, out, M, N, K);
     free(xf);
     return 0;
+#endif
 }
