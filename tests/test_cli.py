@@ -64,6 +64,8 @@ def test_kernel_and_schedule_flags():
     assert parse(["--disable-overlap-schedule"])["engine"]["overlap_schedule"] is False
     assert parse([])["engine"]["max_queued_requests"] is None
     assert parse(["--max-queued-requests", "0"])["engine"]["max_queued_requests"] == 0
+    assert parse([])["engine"]["long_prefill_token_threshold"] is None  # half the step budget
+    assert parse(["--long-prefill-token-threshold", "0"])["engine"]["long_prefill_token_threshold"] == 0
 
 
 @pytest.mark.parametrize(
@@ -73,6 +75,7 @@ def test_kernel_and_schedule_flags():
      ["--kv-cache-tokens", "10", "--kv-cache-memory", "1GiB"], ["--overlap-schedule", "maybe"],
      ["--port", "70000"], ["--port", "-1"], ["--max-model-len", "0"], ["--num-threads", "0"],
      ["--kv-cache-tokens", "-100"], ["--dtype", "int8"], ["--max-logprobs", "-1"], ["--max-queued-requests", "-1"],
+     ["--long-prefill-token-threshold", "-1"],
      ["--watchdog-timeout", "-1"], ["--watchdog-timeout", "nan"], ["--grammar-compile-timeout", "0"],
      ["--shutdown-grace-period", "-1"], ["--block-size", "x"]],
 )

@@ -763,6 +763,40 @@ def test_health_stays_up_during_long_prefill(grpc_stub, health_stub):
     assert probes >= 2, f"only {probes} probe round(s) during the prefill: nothing was checked"
 
 
+def test_a_short_request_is_answered_while_a_long_prompt_prefills(grpc_stub):
+    """A long prompt prefills at most half the step budget at a time (the default
+    --long-prefill-token-threshold), so a short request sent meanwhile starts in the next
+    step and is answered before the long prompt's first token, not after its whole prefill."""
+    assert server_info(grpc_stub).server_args.fields["long_prefill_token_threshold"].number_value == 256
+    long_prompt = [1000 + (i * 7919) % 40000 for i in range(4000)]  # ~8 steps of 512 tokens
+    done = threading.Event()
+    result = {}
+
+    def run_long():
+        try:
+            result["c"] = one_complete(grpc_stub, make_request(long_prompt, max_new_tokens=1, cache_salt=fresh_salt()))
+        except Exception as e:  # noqa: BLE001 - reported below
+            result["e"] = e
+        finally:
+            done.set()
+
+    t = threading.Thread(target=run_long)
+    t.start()
+    try:
+        deadline = time.monotonic() + RPC_TIMEOUT
+        while not num_running(grpc_stub) and not done.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        short = one_complete(grpc_stub, make_request([1, 2, 3, 4, 5, 6], max_new_tokens=2, ignore_eos=True,
+                                                     cache_salt=fresh_salt()))
+        long_done_first = done.is_set()
+    finally:
+        t.join(timeout=RPC_TIMEOUT)
+    assert "e" not in result, result.get("e")
+    assert result["c"].prompt_tokens == len(long_prompt) and result["c"].cached_tokens == 0
+    assert short.completion_tokens == 2
+    assert not long_done_first, "the short request waited for the long prompt's whole prefill"
+
+
 def test_flush_cache_drops_the_prefix_cache(grpc_stub, story):
     from smg_grpc_proto.generated import common_pb2
 

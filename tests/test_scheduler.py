@@ -9,9 +9,10 @@ from scheduler.messages import AddRequest, SamplingParams
 from scheduler.scheduler import AdmissionError, Scheduler, SchedulerConfig
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_running=8, budget=32, max_len=256, prefix=True):
+def make_scheduler(num_blocks=64, block_size=4, max_running=8, budget=32, max_len=256, prefix=True, long_prefill=0):
     pool = BlockPool(num_blocks, block_size, prefix)
-    return Scheduler(SchedulerConfig(max_running, budget, max_len), KVCacheManager(pool), frozenset({2})), pool
+    config = SchedulerConfig(max_running, budget, max_len, long_prefill_token_threshold=long_prefill)
+    return Scheduler(config, KVCacheManager(pool), frozenset({2})), pool
 
 
 def next_token(req):
@@ -68,6 +69,77 @@ def test_long_prompt_is_chunked_under_the_budget():
     run(sched)
     assert req.num_output_tokens == 3
     assert pool.num_free_blocks == pool.num_blocks
+
+
+def chunks(batch):
+    return {r.request_id: n for r, n in zip(batch.requests, batch.num_new_tokens)}
+
+
+def finish_step(sched, batch):
+    step(sched, batch, [next_token(r) for r, n in zip(batch.requests, batch.num_new_tokens)
+                        if r.num_computed_tokens + n == r.num_tokens])
+
+
+def test_a_short_prompt_starts_while_a_long_one_prefills():
+    sched, pool = make_scheduler(budget=16, long_prefill=8)
+    long = add(sched, "long", list(range(100, 160)))
+    first = sched.schedule()
+    assert chunks(first) == {"long": 16}  # alone: the budget left after its cut goes back to it
+    finish_step(sched, first)
+    short = add(sched, "short", list(range(200, 206)))
+    second = sched.schedule()
+    assert chunks(second) == {"long": 10, "short": 6}  # without the threshold: {"long": 16}
+    finish_step(sched, second)
+    assert short.num_output_tokens == 1 and long.num_output_tokens == 0
+    run(sched)
+    assert long.num_output_tokens == short.num_output_tokens == 8
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_one_long_prompt_prefills_at_a_time_and_short_ones_pass_it():
+    sched, _ = make_scheduler(budget=16, long_prefill=8)
+    add(sched, "long-a", list(range(100, 140)))
+    add(sched, "long-b", list(range(300, 340)))
+    add(sched, "short", list(range(200, 205)))
+    first = sched.schedule()
+    assert chunks(first) == {"long-a": 11, "short": 5}  # long-b waits for long-a's prompt
+    finish_step(sched, first)
+    steps = []
+    while sched.waiting:
+        batch = sched.schedule()
+        steps.append(chunks(batch))
+        finish_step(sched, batch)
+    # long-a's last chunk leaves budget over: long-b starts with it, as without a threshold
+    assert steps == [{"short": 1, "long-a": 15}, {"short": 1, "long-a": 14, "long-b": 1}]
+
+
+@pytest.mark.parametrize("lengths", [[40, 40, 40], [60, 25, 33, 9, 70], [20] * 6])
+def test_the_threshold_keeps_steps_full(lengths):
+    """Whatever the prompts, a step holds as many tokens as without the threshold, and the
+    same tokens come out."""
+    prompts = [list(range(100 + 97 * i, 100 + 97 * i + n)) for i, n in enumerate(lengths)]
+    runs = []
+    for threshold in (0, 8):
+        sched, pool = make_scheduler(budget=16, long_prefill=threshold)
+        reqs = [add(sched, f"r{i}", p) for i, p in enumerate(prompts)]
+        runs.append(([n for _, n in run(sched)], [r.output_ids for r in reqs]))
+        assert pool.num_free_blocks == pool.num_blocks
+    (plain_steps, plain_out), (capped_steps, capped_out) = runs
+    assert capped_out == plain_out and capped_steps == plain_steps
+
+
+def test_a_cut_chunk_grows_only_into_blocks_that_hold_all_of_it():
+    sched, pool = make_scheduler(num_blocks=5, block_size=4, budget=16, long_prefill=8)  # 4 usable blocks
+    add(sched, "d", [10, 11, 12], max_new=2)
+    finish_step(sched, sched.schedule())  # d's last token next, in its one block
+    add(sched, "a", list(range(100, 115)), max_new=1)
+    batch = sched.schedule()
+    # the rest of a's prompt (7) would need 2 more blocks, 1 is free: a keeps its cut chunk
+    assert chunks(batch) == {"d": 1, "a": 8} and pool.num_free_blocks == 1
+    finish_step(sched, batch)  # d is done and frees its block: now the rest fits
+    assert chunks(sched.schedule()) == {"a": 7}
+    run(sched)
+    assert sched.num_preemptions == 0 and pool.num_free_blocks == pool.num_blocks
 
 
 def outputs(prompts, **kw):

@@ -17,6 +17,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_running_requests: int = 64
     max_queued_requests: int | None = None  # waiting beyond free running slots; None = no limit
     max_num_batched_tokens: int | None = None  # step token budget; None = per-device default
+    # prompts with more tokens left prefill in chunks of at most this many, one at a time, so
+    # shorter ones start meanwhile; None = half the step budget, 0 = off (vLLM's default)
+    long_prefill_token_threshold: int | None = None
     max_model_len: int | None = None  # None = the model's context length
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None = all cores

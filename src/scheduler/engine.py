@@ -40,12 +40,15 @@ class Engine:
         self.pool = BlockPool(self.runner.num_cache_blocks, config.block_size, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
         eos = frozenset(mc.eos_token_ids)
+        budget = self.runner.max_num_batched_tokens
+        threshold = config.long_prefill_token_threshold
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_running_requests=config.max_running_requests,
                 max_queued_requests=config.max_queued_requests,
-                max_num_batched_tokens=self.runner.max_num_batched_tokens,
+                max_num_batched_tokens=budget,
                 max_model_len=self.runner.max_model_len,
+                long_prefill_token_threshold=budget // 2 if threshold is None else threshold,
             ),
             self.kv,
             eos,

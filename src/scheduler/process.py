@@ -85,6 +85,7 @@ def model_info(engine, config: EngineConfig) -> dict:
         "max_queued_requests": config.max_queued_requests,
         "max_logprobs": config.max_logprobs,
         "max_num_batched_tokens": runner.max_num_batched_tokens,
+        "long_prefill_token_threshold": engine.scheduler.config.long_prefill_token_threshold,
         "block_size": config.block_size,
         "device": str(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."),

@@ -8,6 +8,11 @@ the newest running request is preempted by recompute: its blocks are freed and i
 back to the head of the queue with its tokens so far (a running request short of blocks
 while its token is in flight waits for that token instead of preempting: it may finish
 and free its blocks).
+
+A long prompt (more than ``long_prefill_token_threshold`` tokens left) prefills in chunks
+of at most that many tokens, one long prompt at a time, so shorter prompts that arrive
+meanwhile start at once instead of queueing behind it; the budget they leave goes back to
+it, and then to the next in line, so steps stay as full as without the threshold.
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ class SchedulerConfig:
     # most requests waiting beyond the free running slots; more get RESOURCE_EXHAUSTED
     # (the router retries those elsewhere or later). None: no limit, as SGLang's default.
     max_queued_requests: int | None = None
+    # a prefill chunk with more tokens left is cut to this many, and only one such long
+    # prompt is admitted at a time (vLLM's long-prefill threshold); 0: no limit
+    long_prefill_token_threshold: int = 0
 
 
 class Scheduler:
@@ -186,9 +194,16 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         scheduled: list[tuple[Request, int]] = []
-        budget, pool_short = self._schedule_running(scheduled, self.config.max_num_batched_tokens)
+        budget = self.config.max_num_batched_tokens
+        cap = self.config.long_prefill_token_threshold or budget
+        budget, pool_short = self._schedule_running(scheduled, budget, cap)
+        passed_over = False  # a long prompt waits for the one prefilling now
         if not pool_short:  # a running request lacked KV blocks: admit nobody new
-            self._admit_waiting(scheduled, budget)
+            budget, passed_over = self._admit_waiting(scheduled, budget, cap)
+        if budget and cap < self.config.max_num_batched_tokens:
+            budget = self._extend_cut_chunks(scheduled, budget)
+            if budget and passed_over:  # still some left: the next in line, long or not
+                self._admit_waiting(scheduled, budget, budget)
         # Single-token chunks (decodes, and prefills cut to one token) first: the attention
         # path batches them together as decodes.
         scheduled.sort(key=lambda item: item[1] != 1)
@@ -198,9 +213,10 @@ class Scheduler:
             [r.num_computed_tokens + n == r.num_tokens_with_pending for r, n in scheduled],
         )
 
-    def _schedule_running(self, scheduled: list[tuple[Request, int]], budget: int) -> tuple[int, bool]:
-        """Give running requests their next chunk (a decode: one token), preempting the
-        newest ones when the pool runs dry. Returns (budget left, whether the pool ran short)."""
+    def _schedule_running(self, scheduled: list[tuple[Request, int]], budget: int, cap: int) -> tuple[int, bool]:
+        """Give running requests their next chunk (a decode: one token; a prefill chunk at
+        most ``cap``), preempting the newest ones when the pool runs dry. Returns (budget
+        left, whether the pool ran short)."""
         pool_short = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -208,7 +224,7 @@ class Scheduler:
             if req.num_pending and req.will_finish_by_length:  # its last token is in flight
                 i += 1
                 continue
-            n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
+            n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget, cap)
             if req.num_pending and not self.kv.allocate(req, n):
                 # Its token in flight may end it and free its blocks: wait for that token
                 # rather than preempt a request for a step that may be wasted.
@@ -227,13 +243,17 @@ class Scheduler:
                 i += 1
         return budget, pool_short
 
-    def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
+    def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int, cap: int) -> tuple[int, bool]:
         """Admit waiting requests in order while the budget, the running slots and the pool
-        allow, each with its cached prefix."""
+        allow, each with its cached prefix and a first chunk of at most ``cap``; a long one
+        (more than ``cap`` tokens to compute) is passed over while another long prompt
+        prefills. Returns (budget left, whether a long one was passed over)."""
         # Blocks being computed (made when a waiting request is first looked at): a waiting
         # request whose next uncached block is one of them waits a step and takes it from the
         # cache instead of computing it again (n > 1 siblings, a burst with one system prompt).
         in_progress: set[bytes] | None = None
+        long_prefilling = any(_is_cut(r, n) for r, n in scheduled)
+        passed_over = False
         j = 0  # waiting[:j]: passed over until then
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[j]
@@ -246,7 +266,12 @@ class Scheduler:
                 j += 1
                 continue
             num_cached = len(cached) * self.kv.block_size
-            n = min(req.num_tokens - num_cached, budget)
+            to_compute = req.num_tokens - num_cached
+            if to_compute > cap and long_prefilling:
+                passed_over = True
+                j += 1
+                continue
+            n = min(to_compute, budget, cap)
             if not self.kv.can_admit(req, cached, n):
                 break
             del self.waiting[j]
@@ -261,6 +286,20 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
+            long_prefilling |= to_compute > cap
+        return budget, passed_over
+
+    def _extend_cut_chunks(self, scheduled: list[tuple[Request, int]], budget: int) -> int:
+        """Give the budget nobody else took back to the prefill chunks cut short, oldest
+        first. A chunk whose whole extension the free blocks cannot hold stays as cut:
+        squeezing the pool dry would preempt decodes on the next step. Returns the budget left."""
+        for i, (req, n) in enumerate(scheduled):
+            if budget and _is_cut(req, n):
+                extra = min(req.num_tokens_with_pending - req.num_computed_tokens - n, budget)
+                if self.kv.allocate(req, n + extra):
+                    scheduled[i] = (req, n + extra)
+                    budget -= extra
+        return budget
 
     def advance(self, batch: ScheduledBatch) -> None:
         """Right after a step is launched: count its tokens as computed. Each request that
@@ -336,3 +375,9 @@ class Scheduler:
         self.kv.free(req)
         del self.requests[req.request_id]
         self.finished.append(req)
+
+
+def _is_cut(req: Request, n: int) -> bool:
+    """Whether a scheduled chunk of ``n`` tokens leaves part of the request's prompt (or
+    recomputed tokens) for later steps."""
+    return req.num_computed_tokens + n < req.num_tokens_with_pending

@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=_COUNT, default=e.max_num_batched_tokens,
                    help="token budget of one step (decodes + prefill chunks); longer prompts are chunked "
                    "(default: 512 on CPU, 8192 on accelerators)")
+    p.add_argument("--long-prefill-token-threshold", type=_number(int, 0), default=e.long_prefill_token_threshold,
+                   help="a prompt with more tokens left to compute prefills in chunks of at most this many, "
+                   "one such prompt at a time, so that shorter prompts arriving meanwhile start in the next step "
+                   "instead of queueing behind it (the step budget they leave goes back to it); 0 disables "
+                   "(default: half of --max-num-batched-tokens)")
     p.add_argument("--max-model-len", type=_COUNT, default=e.max_model_len,
                    help="context limit in tokens (default: the model's own)")
     kv = p.add_mutually_exclusive_group()

@@ -170,6 +170,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             "max_running_requests": i["max_running_requests"],
             "max_queued_requests": i["max_queued_requests"],
             "max_num_batched_tokens": i["max_num_batched_tokens"],
+            "long_prefill_token_threshold": i["long_prefill_token_threshold"],
             "page_size": i["block_size"],
             "device": i["device"],
             "dtype": i["dtype"],
