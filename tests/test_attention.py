@@ -76,12 +76,12 @@ def test_store_kv_skips_padding_slots():
     assert flat.sum() == 2 * HKV * D
 
 
-def random_paged_cache(dtype, num_blocks, head_dim, seed):
+def random_paged_cache(dtype, num_blocks, head_dim, seed, block_size=BS, kv_heads=HKV):
     """A generator and random K/V caches for the native kernel (skips without a C compiler)."""
     if cpu_kernels.load_library("paged_decode_attention", dtype) is None:
         pytest.skip("no C compiler: native kernel unavailable")
     g = torch.Generator().manual_seed(seed)
-    return g, *(torch.randn(num_blocks, BS, HKV, head_dim, generator=g).to(dtype) for _ in range(2))
+    return g, *(torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
 
 
 def assert_native_decode_matches_torch_path(q, k_cache, v_cache, seq_lens, tables, shares=0):
@@ -89,9 +89,9 @@ def assert_native_decode_matches_torch_path(q, k_cache, v_cache, seq_lens, table
     kernel accumulates in fp32 too."""
     from kernels.attention import decode_attention_torch
 
-    head_dim = k_cache.shape[-1]
-    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, BS)
-    k_flat, v_flat = k_cache.float().view(-1, HKV, head_dim), v_cache.float().view(-1, HKV, head_dim)
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, block_size)
+    k_flat, v_flat = k_cache.float().view(-1, kv_heads, head_dim), v_cache.float().view(-1, kv_heads, head_dim)
     expected = decode_attention_torch(q.float(), k_flat, v_flat, meta, 0.125).to(q.dtype)
     native = cpu_kernels.paged_decode_attention(
         q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, 0.125, shares
@@ -115,6 +115,24 @@ def test_native_decode_kernel_matches_torch_path_on_long_sequences(dtype, head_d
     tables = [torch.randperm(num_blocks - 1, generator=g)[: -(-s // BS)].add(1).tolist() for s in seq_lens]
     q = torch.randn(n, H, head_dim, generator=g).to(dtype)
     assert_native_decode_matches_torch_path(q, k_cache, v_cache, seq_lens, tables)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (16, 128), (16, 96), (16, 40), (8, 64)])
+def test_native_decode_kernel_at_the_engine_block_size(dtype, block_size, head_dim):
+    """16-token blocks (the default) and head dims a multiple of 32 take the bf16 build's
+    dot-product path where the CPU has AVX512-BF16 (all 16 rows of a block scored at once,
+    those past the length never used); 40 and 8-token blocks the widening one. Partial
+    blocks, one token, and three query heads per KV head (SmolLM2's grouping)."""
+    num_blocks, heads, kv_heads = 48, 9, 3
+    g, k_cache, v_cache = random_paged_cache(dtype, num_blocks, head_dim, 3, block_size, kv_heads)
+    seq_lens = [1, 15, 16, 17, 100, 203]
+    perm = torch.randperm(num_blocks - 1, generator=g).add(1)
+    starts = [sum(-(-s // block_size) for s in seq_lens[:i]) for i in range(len(seq_lens))]
+    tables = [perm[a : a + -(-s // block_size)].tolist() for a, s in zip(starts, seq_lens)]
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(dtype)
+    for shares in (0, 1):
+        assert_native_decode_matches_torch_path(q, k_cache, v_cache, seq_lens, tables, shares)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
