@@ -123,3 +123,29 @@ def test_gguf_tensors_arrive_in_the_target_dtype():
     assert fp32.keys() == bf16.keys() and all(t.dtype == torch.bfloat16 for t in bf16.values())
     name = "model.layers.0.self_attn.q_proj.weight"  # (unpermuted before the cast)
     assert torch.equal(bf16[name], fp32[name].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("rope", [
+    {"factor": 4.0, "original_max_position_embeddings": 32},  # Qwen's long-context setting
+    {"factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    {"factor": 2.0, "original_max_position_embeddings": 32, "attention_factor": 0.9},
+    {"factor": 4.0, "original_max_position_embeddings": 32, "mscale": 0.7, "mscale_all_dim": 1.3},
+    {"factor": None, "original_max_position_embeddings": 64},  # factor: the ratio of the two contexts
+])
+def test_yarn_rope_matches_hf(rope):
+    """Our YaRN frequencies and cos/sin scale against transformers' own on the same config."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kernels.rotary import rope_attention_factor, rope_inv_freq
+
+    hf_config = transformers.Qwen3Config(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **rope},
+    )
+    hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+    config = ModelConfig.from_hf_dict(hf_config.to_dict())
+    assert config.rope_scaling["rope_type"] == "yarn"
+    torch.testing.assert_close(rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling), hf_inv_freq,
+                               rtol=1e-6, atol=0)
+    assert rope_attention_factor(config.rope_scaling) == pytest.approx(hf_factor, rel=1e-12)

@@ -216,6 +216,10 @@ FAMILIES = {
     )),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),  # head_dim != hidden / heads
+    "qwen3-yarn": ("Qwen3Config", dict(  # Qwen's long-context setting: yarn past a 32-token original context
+        head_dim=32, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 32},
+    )),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
 }
 
@@ -239,7 +243,7 @@ def test_family_matches_hf(family, tmp_path):
     ours.eval()
 
     g = torch.Generator().manual_seed(1)
-    # Long enough to cross blocks and, for llama3 rope, the original 32-token context.
+    # Long enough to cross blocks and, for llama3 and yarn rope, the original 32-token context.
     prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (5, 41)]
     outs, first = PagedRunner(ours, config).generate(prompts, 12, set())
     for i, prompt in enumerate(prompts):

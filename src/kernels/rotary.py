@@ -31,13 +31,52 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
         smooth = (old_len / wavelen - low) / (high - low)
         blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         return torch.where(wavelen > old_len / low, inv_freq / factor, torch.where(wavelen < old_len / high, inv_freq, blended))
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (Qwen's long-context setting): frequencies that turn many times within the
+    original context are kept, slow ones are divided by ``factor``, and a linear ramp over
+    the dimensions between (set by beta_fast / beta_slow rotations) blends the two."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dim_turning(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_turning(scaling.get("beta_fast") or 32), dim_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    slowed = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * slowed + inv_freq * (1 - slowed)
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What cos and sin are multiplied by: YaRN's attention temperature (its paper's
+    0.1 ln(factor) + 1, or the config's own), 1 for every other rope."""
+    if not scaling or scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling["factor"]
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
 
 
 def rope_cos_sin(head_dim: int, max_positions: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     """``[max_positions, head_dim]`` fp32 table: cos in the first half, sin in the second."""
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    attention_factor = rope_attention_factor(scaling)
+    return table if attention_factor == 1.0 else table * attention_factor
 
 
 def apply_rotary(

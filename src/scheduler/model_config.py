@@ -40,7 +40,7 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
-    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear" | "freq_factors", ...}
+    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear" | "yarn" | "freq_factors", ...}
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v (Qwen2; Llama/Qwen3 when attention_bias)
     attention_out_bias: bool = False  # bias on o_proj (Llama/Qwen3 when attention_bias)
@@ -78,6 +78,13 @@ class ModelConfig:
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
         if "type" in rope and "rope_type" not in rope:
             rope["rope_type"] = rope.pop("type")
+        if rope.get("rope_type") == "yarn":  # as HF reads it: the pretraining context and its ratio
+            max_positions = cfg.get("max_position_embeddings", 4096)
+            # (a top-level original_max_position_embeddings wins, as Phi-3 writes it)
+            original = cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+            rope["original_max_position_embeddings"] = original = original or max_positions
+            if rope.get("factor") is None:
+                rope["factor"] = max_positions / original
         missing = [k for k in _ROPE_SCALING_KEYS.get(rope.get("rope_type"), ()) if k not in rope]
         if missing:
             raise ValueError(f"rope scaling {rope['rope_type']!r} needs {', '.join(missing)} in the config")
