@@ -338,3 +338,11 @@ def test_the_compiled_grammar_cache_is_bounded(loaded):
         schema = {"type": "object", "properties": {f"field_{i}_{j}": {"type": "integer"} for j in range(8)}}
         backend.compile("json_schema", json.dumps(schema))
     assert 0 < backend.compiler.get_cache_size_bytes() < 1.2 * limit  # (xgrammar's own overhead on top)
+
+
+def test_per_device_defaults_on_the_cpu(loaded):
+    """Unset, the step budget, running slots and long-prefill threshold take the CPU's
+    defaults (accelerators: 8192 tokens, 256 requests)."""
+    config = make_engine(loaded).scheduler.config
+    assert (config.max_num_batched_tokens, config.max_running_requests) == (512, 64)
+    assert config.long_prefill_token_threshold == 256

@@ -14,7 +14,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     block_size: int = 16
     kv_cache_tokens: int | None = None  # KV capacity in tokens; None = from kv_cache_memory
     kv_cache_memory: str | None = None  # e.g. "2GiB"; None = default budget for the device
-    max_running_requests: int = 64
+    max_running_requests: int | None = None  # None = per-device default (64 on CPU, 256 on accelerators)
     max_queued_requests: int | None = None  # waiting beyond free running slots; None = no limit
     max_num_batched_tokens: int | None = None  # step token budget; None = per-device default
     # prompts with more tokens left prefill in chunks of at most this many, one at a time, so

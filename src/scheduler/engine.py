@@ -44,7 +44,7 @@ class Engine:
         threshold = config.long_prefill_token_threshold
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_running_requests=config.max_running_requests,
+                max_running_requests=self.runner.max_running_requests,
                 max_queued_requests=config.max_queued_requests,
                 max_num_batched_tokens=budget,
                 max_model_len=self.runner.max_model_len,

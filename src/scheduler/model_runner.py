@@ -39,6 +39,10 @@ CPU_DEFAULT_KV_BYTES = 2 * 2**30
 # at a few hundred rows); accelerators want bigger steps.
 DEFAULT_BATCHED_TOKENS = {"cpu": 512}
 ACCELERATOR_BATCHED_TOKENS = 8192
+# Requests decoded together: a CPU step grows with every row; an accelerator's barely does
+# until far more rows (vLLM's default is 256 too; SGLang sizes it from the KV cache).
+DEFAULT_RUNNING_REQUESTS = {"cpu": 64}
+ACCELERATOR_RUNNING_REQUESTS = 256
 GPU_MEMORY_FRACTION = 0.85  # of the memory free after weights, for the KV cache
 
 
@@ -120,6 +124,9 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(
             self.device.type, ACCELERATOR_BATCHED_TOKENS
         )
+        self.max_running_requests = config.max_running_requests or DEFAULT_RUNNING_REQUESTS.get(
+            self.device.type, ACCELERATOR_RUNNING_REQUESTS
+        )
         self.num_cache_blocks = self._num_kv_blocks()  # the null block included
         capacity = (self.num_cache_blocks - 1) * self.block_size
         if capacity < self.max_model_len:
@@ -157,7 +164,7 @@ class ModelRunner:
         from .cuda_graphs import DecodeGraphs
 
         self.graphs = DecodeGraphs(
-            self.model, self.kv_caches, self.config.max_running_requests,
+            self.model, self.kv_caches, self.max_running_requests,
             cdiv(self.max_model_len, self.block_size), self.block_size, self.device, self.num_sms, self.upload,
         )
         self.graphs.capture()
@@ -167,7 +174,7 @@ class ModelRunner:
         """Launch every Triton kernel variant an eager step can need once, so that no request
         waits for a JIT compile (see :func:`warmup_batches`). Slots are -1 and every table
         points at the null block: nothing is written to the KV cache."""
-        for query_lens in warmup_batches(self.config.max_running_requests, self.model_config.num_kv_heads, self.num_sms):
+        for query_lens in warmup_batches(self.max_running_requests, self.model_config.num_kv_heads, self.num_sms):
             seq_lens = [q + 3 for q in query_lens]
             tables = [[0] * cdiv(s, self.block_size) for s in seq_lens]
             meta = self._varlen(query_lens, seq_lens, tables)

@@ -81,7 +81,7 @@ def model_info(engine, config: EngineConfig) -> dict:
         "model_type": mc.model_type,
         "architectures": [mc.architecture],
         "max_total_num_tokens": engine.kv.capacity_tokens,
-        "max_running_requests": config.max_running_requests,
+        "max_running_requests": runner.max_running_requests,
         "max_queued_requests": config.max_queued_requests,
         "max_logprobs": config.max_logprobs,
         "max_num_batched_tokens": runner.max_num_batched_tokens,

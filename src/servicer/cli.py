@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "float32, bfloat16 or float16; bfloat16 also suits CPUs with bf16 instructions "
                    "(AVX512-BF16, AMX), where it runs about twice as fast as float32")
     p.add_argument("--max-running-requests", type=_COUNT, default=e.max_running_requests,
-                   help="most requests decoded together in one step; more wait in the queue")
+                   help="most requests decoded together in one step; more wait in the queue "
+                   "(default: 64 on CPU, 256 on accelerators)")
     p.add_argument("--max-queued-requests", type=_number(int, 0), default=e.max_queued_requests,
                    help="most requests waiting beyond the free running slots; more are refused with "
                    "RESOURCE_EXHAUSTED, which the router retries (default: no limit)")
