@@ -149,3 +149,13 @@ def test_yarn_rope_matches_hf(rope):
     torch.testing.assert_close(rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling), hf_inv_freq,
                                rtol=1e-6, atol=0)
     assert rope_attention_factor(config.rope_scaling) == pytest.approx(hf_factor, rel=1e-12)
+
+
+def test_granite_scalars_take_hf_defaults_and_gguf_granite_is_refused():
+    granite = {**LLAMA, "model_type": "granite", "architectures": ["GraniteForCausalLM"]}
+    config = ModelConfig.from_hf_dict(granite)  # HF's defaults: all 1.0, the attention one replacing 1/sqrt(d)
+    assert (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling) == (1.0, 1.0, 1.0)
+    assert config.attention_multiplier == 1.0
+    assert ModelConfig.from_hf_dict(LLAMA).attention_multiplier is None  # 1/sqrt(head_dim)
+    with pytest.raises(NotImplementedError, match="GGUF architecture 'granite'"):
+        ModelConfig.from_gguf(_gguf_reader(**{"general.architecture": "granite"}))

@@ -221,6 +221,10 @@ FAMILIES = {
                                       "original_max_position_embeddings": 32},
     )),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "granite": ("GraniteConfig", dict(  # Llama with four scalars (Granite 3's kind of values)
+        tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+        logits_scaling=8.0,
+    )),
 }
 
 

@@ -17,6 +17,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 # What each supported rope scaling reads (kernels/rotary.py): checked at start-up, so an
 # incomplete config is refused by name rather than with a bare KeyError.
@@ -47,6 +48,13 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k before rope (Qwen3)
     sliding_window: int | None = None  # attention here is full: the runner caps the context at it
+    # Granite's scalars: embeddings x embedding_multiplier, each block's output x
+    # residual_multiplier before it joins the residual, attention scores x attention_multiplier
+    # (None: 1/sqrt(head_dim)), logits / logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -123,6 +131,7 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             sliding_window=window,
+            **(_granite_scalars(cfg) if model_type == "granite" else {}),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
@@ -154,8 +163,9 @@ class ModelConfig:
             return default if f is None else f.contents()
 
         arch = field("general.architecture")
-        if arch not in ARCHITECTURES:
-            raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (have {sorted(ARCHITECTURES)})")
+        if arch not in ARCHITECTURES or arch == "granite":  # (granite: from its HF checkpoint only)
+            supported = sorted(set(ARCHITECTURES) - {"granite"})
+            raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (have {supported})")
         tensors = {t.name: t for t in reader.tensors}
         hidden = field(f"{arch}.embedding_length")
         heads = field(f"{arch}.attention.head_count")
@@ -201,3 +211,14 @@ class ModelConfig:
             eos_token_id=(eos[0] if len(eos) == 1 else eos) if eos else None,
             pad_token_id=field("tokenizer.ggml.padding_token_id"),
         )
+
+
+def _granite_scalars(cfg: dict[str, Any]) -> dict[str, float]:
+    """Granite's four multipliers, with HF's defaults (its attention multiplier replaces
+    1/sqrt(head_dim) outright, 1.0 when unset)."""
+    return {
+        "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+        "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+        "attention_multiplier": float(cfg.get("attention_multiplier", 1.0)),
+        "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
+    }

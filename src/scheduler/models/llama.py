@@ -73,7 +73,7 @@ class Attention(nn.Module):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.scale = c.head_dim**-0.5
+        self.scale = c.attention_multiplier if c.attention_multiplier is not None else c.head_dim**-0.5
         self.qkv_proj = _linear(c.hidden_size, self.q_size + 2 * self.kv_size, c.attention_bias, dtype)
         self.o_proj = _linear(self.q_size, c.hidden_size, c.attention_out_bias, dtype)
         if c.qk_norm:
@@ -191,6 +191,8 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[T, hidden]`` of the flattened batch (final norm applied)."""
         rope = self.model.rotary(positions)
         x, residual = self.model.embed_tokens(input_ids), None
+        if self.config.embedding_multiplier != 1.0:  # (Granite)
+            x = x * self.config.embedding_multiplier
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(rope, x, residual, kv_cache, attn_meta)
         x, _ = self.model.norm(x, residual)
@@ -248,3 +250,18 @@ class LlamaForCausalLM(nn.Module):
             # (a copy is made only when the dtype differs).
             param.data = sd.pop(name).to(param.dtype).contiguous()
             param.requires_grad_(False)
+        self._fold_scalars()
+
+    def _fold_scalars(self) -> None:
+        """Granite's residual multiplier and logits scaling, folded into the weights once
+        (out of place: a loaded tensor may be a read-only mapping of the checkpoint): each
+        block's last projection, and the final norm that feeds the LM head."""
+        c = self.config
+        if c.residual_multiplier != 1.0:
+            for layer in self.model.layers:
+                for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    for p in (proj.weight, proj.bias):
+                        if p is not None:
+                            p.data = p.data * c.residual_multiplier
+        if c.logits_scaling != 1.0:
+            self.model.norm.weight.data = self.model.norm.weight.data / c.logits_scaling
