@@ -112,6 +112,7 @@ def run_engine(work, args, sampling: str = "greedy", dtype: str = "auto") -> dic
     config = EngineConfig(model=args.model, device=args.device, dtype=dtype, max_running_requests=len(work),
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           long_prefill_token_threshold=args.long_prefill_token_threshold,
+                          speculative_algorithm=args.speculative_algorithm,
                           kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads)
     engine = Engine(config)
     engine.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_new_tokens=4))  # warm-up
@@ -196,6 +197,8 @@ def run_daemon(work, args, sampling: str = "greedy", dtype: str = "auto") -> dic
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.long_prefill_token_threshold is not None:
         cmd += ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
+    if args.speculative_algorithm:
+        cmd += ["--speculative-algorithm", args.speculative_algorithm]
     if args.threads:
         cmd += ["--num-threads", str(args.threads)]
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
@@ -294,6 +297,7 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's own")
     ap.add_argument("--long-prefill-token-threshold", type=int, default=None,
                     help="default: the engine's own (half the step budget); 0: off")
+    ap.add_argument("--speculative-algorithm", choices=["ngram"], default=None, help="default: off")
     ap.add_argument("--skip", default="", help="comma list of engine,daemon,hf to skip (in every dtype)")
     ap.add_argument("--json", default=None, help="write the numbers to this file")
     ap.add_argument("--repeat", type=int, default=1,

@@ -43,12 +43,14 @@ VOCAB = range(100, 124)  # small, so stop tokens come up
 EOS = 100
 
 
-def next_token(token_ids: list[int]) -> int:
-    """The fake model: a hash of the sequence so far (its last tokens and its length)."""
-    h = len(token_ids)
-    for t in token_ids[-6:]:
+def next_token(token_ids: list[int], periodic: bool = False) -> int:
+    """The fake model: a hash of the sequence so far (its last tokens and its length); when
+    ``periodic``, of its last token only, so its outputs soon cycle and repeat what a prompt
+    made of them already holds: n-gram drafts then hit."""
+    h = 0 if periodic else len(token_ids)
+    for t in token_ids[-1:] if periodic else token_ids[-6:]:
         h = (h * 1_000_003 + t) & 0xFFFFFFFF
-    return VOCAB[h % len(VOCAB)]
+    return VOCAB[(h * 2_654_435_761 >> 7) % len(VOCAB)]
 
 
 @dataclass
@@ -71,6 +73,8 @@ class Case:
     max_running: int
     prefix_caching: bool
     lag: int  # steps launched but not completed
+    drafts: int  # n-gram speculation's most draft tokens per step (0: off)
+    periodic: bool  # the fake model's outputs repeat (see next_token)
     specs: list[Spec]
 
 
@@ -89,19 +93,32 @@ def make_case(seed: int) -> Case:
         abort_at = arrival + rng.randint(0, 30) if rng.random() < 0.15 else None
         specs.append(Spec(f"r{i}", prompt, rng.choice([0, 1, 3, 8, 16]),
                           [token()] if rng.random() < 0.3 else [], arrival, abort_at))
+    # Speculation (drawn apart, so the draws above stay as they were): with a periodic model,
+    # most prompts quote its own continuation of their first token, as a text quoting its
+    # context does.
+    spec_rng = random.Random(-1 - seed)
+    drafts = spec_rng.choice([0, 1, 3, 3])
+    periodic = drafts > 0 and spec_rng.random() < 0.6
+    for s in specs if periodic else ():
+        if spec_rng.random() < 0.6:
+            s.prompt = s.prompt[:1]
+            while len(s.prompt) < spec_rng.randint(8, 40):
+                s.prompt.append(next_token(s.prompt, periodic=True))
+            for _ in range(spec_rng.choice([0, 1, 3])):  # misquoted: drafts from there are rejected
+                s.prompt[spec_rng.randrange(len(s.prompt))] = spec_rng.choice(VOCAB)
     block_size = rng.choice([1, 2, 4, 8])
     largest = max(-(-(len(s.prompt) + s.max_new) // block_size) for s in specs)
     budget = rng.choice([1, 2, 3, 5, 8, 16, 32])
     threshold = rng.choice([0, 1, max(budget // 2, 1), rng.randint(1, budget + 4)])
     return Case(seed, block_size, largest + rng.randint(0, 8), budget, threshold, rng.randint(1, 6),
-                rng.random() < 0.8, rng.choice([0, 1]), specs)
+                rng.random() < 0.8, rng.choice([0, 1]), drafts, periodic, specs)
 
 
-def generate_alone(spec: Spec) -> tuple[str, list[int]]:
+def generate_alone(spec: Spec, periodic: bool) -> tuple[str, list[int]]:
     """What the fake model gives the request on its own: (finish reason, output ids)."""
     ids = list(spec.prompt)
     for _ in range(spec.max_new):
-        ids.append(next_token(ids))
+        ids.append(next_token(ids, periodic))
         if ids[-1] == EOS or ids[-1] in spec.stop_ids:
             return "stop", ids[len(spec.prompt):]
     return "length", ids[len(spec.prompt):]
@@ -113,13 +130,18 @@ def check_step(case: Case, sched: Scheduler, pool: BlockPool, batch: ScheduledBa
     assert len(sched.running) <= case.max_running, f"{where}: {len(sched.running)} running > {case.max_running}"
     assert batch.num_tokens <= case.budget, f"{where}: {batch.num_tokens} tokens > budget {case.budget}"
     assert len(set(ids)) == len(ids), f"{where}: a request twice in one step: {ids}"
-    ones = [n == 1 for n in batch.num_new_tokens]
+    ones = [n == 1 or bool(r.draft_ids) for r, n in zip(batch.requests, batch.num_new_tokens)]  # a decode row each
     assert ones == sorted(ones, reverse=True), f"{where}: single-token chunks not first: {batch.num_new_tokens}"
     for req, n, samples in zip(batch.requests, batch.num_new_tokens, batch.samples):
         left = req.num_tokens_with_pending - req.num_computed_tokens
+        drafts = len(req.draft_ids)
         assert req in sched.running, f"{where}: {req.request_id} scheduled but not running"
-        assert 1 <= n <= left, f"{where}: {req.request_id} gets {n} tokens with {left} left"
-        assert samples == (n == left), f"{where}: {req.request_id} samples={samples}, {n} of {left} tokens"
+        assert 1 <= n <= left + drafts, f"{where}: {req.request_id} gets {n} tokens with {left} left"
+        assert samples == (n - drafts == left), f"{where}: {req.request_id} samples={samples}, {n} of {left} tokens"
+        assert not drafts or (n == 1 + drafts and left == 1 and not req.num_pending), (
+            f"{where}: {req.request_id} drafts {req.draft_ids} on a {n}-token chunk, {left} left")
+        assert req.num_output_tokens + drafts < max(req.max_new_tokens, 1), (
+            f"{where}: {req.request_id} drafts past max_new_tokens {req.max_new_tokens}")
         assert not samples or req.num_output_tokens + req.num_pending < max(req.max_new_tokens, 1), (
             f"{where}: {req.request_id} samples past max_new_tokens {req.max_new_tokens}")
         have = len(req.block_ids) * case.block_size
@@ -131,18 +153,20 @@ def check_step(case: Case, sched: Scheduler, pool: BlockPool, batch: ScheduledBa
     assert not wrong, f"{where}: {len(wrong)} blocks (e.g. {wrong[:3]}) counted other than their holders"
 
 
-def simulate(case: Case, threshold: int) -> tuple[dict[str, tuple[str, list[int]]], Counter]:
+def simulate(case: Case, threshold: int, drafts: int) -> tuple[dict[str, tuple[str, list[int]]], Counter]:
     """Run the workload to the end, checking every step. Returns each request's (finish
     reason, output ids) and counts of what happened."""
     pool = BlockPool(case.num_blocks + 1, case.block_size, case.prefix_caching)
-    config = SchedulerConfig(case.max_running, case.budget, 4096, long_prefill_token_threshold=threshold)
+    config = SchedulerConfig(case.max_running, case.budget, 4096, long_prefill_token_threshold=threshold,
+                             num_draft_tokens=drafts)
     sched = Scheduler(config, KVCacheManager(pool), frozenset({EOS}))
     results: dict[str, tuple[str, list[int]]] = {}
     seen = Counter()
-    inflight: list[tuple[ScheduledBatch, list[int]]] = []  # launched: (step, tokens its samplers computed)
+    # launched: (step, per sampling request: the tokens its row 0 follows, and its drafts)
+    inflight: list[tuple[ScheduledBatch, list[tuple[int, list[int]]]]] = []
     step = 0
     while len(results) < len(case.specs) or inflight:
-        where = f"seed {case.seed} (threshold {threshold}, lag {case.lag}), step {step}"
+        where = f"seed {case.seed} (threshold {threshold}, drafts {drafts}, lag {case.lag}), step {step}"
         assert step < 20_000, f"{where}: no end in sight"
         for spec in case.specs:
             if spec.arrival == step:
@@ -155,24 +179,32 @@ def simulate(case: Case, threshold: int) -> tuple[dict[str, tuple[str, list[int]
         seen["chunks cut at the threshold"] += sum(
             n == threshold < r.num_tokens_with_pending - r.num_computed_tokens
             for r, n in zip(batch.requests, batch.num_new_tokens))
+        speculating = any(r.draft_ids for r in batch.requests)
         if len(batch):
-            sched.advance(batch)
-            inflight.append((batch, [r.num_computed_tokens for r in batch.sampling_requests]))
+            drafted = {r.request_id: (r.num_tokens, list(r.draft_ids)) for r in batch.requests if r.draft_ids}
+            sched.advance(batch)  # (a speculating request's row 0 follows its known tokens, not its drafts)
+            inflight.append((batch, [drafted.get(r.request_id, (r.num_computed_tokens, []))
+                                     for r in batch.sampling_requests]))
         else:
             assert inflight or not sched.has_work(), (
                 f"{where}: an empty step with nothing in flight while requests wait: "
                 f"{[r.request_id for r in sched.waiting]}, run: {[r.request_id for r in sched.running]}, "
                 f"{pool.num_free_blocks} free blocks")
-        while inflight and (len(inflight) > case.lag or not len(batch)):
-            done, ends = inflight.pop(0)  # the model samples what follows the tokens the step computed
-            sched.complete(done, [next_token(r.token_ids[:end]) for r, end in zip(done.sampling_requests, ends)])
+        # (a speculating step completes before the next is scheduled, as the engine does)
+        while inflight and (len(inflight) > case.lag or not len(batch) or speculating):
+            done, rows = inflight.pop(0)  # the model samples what follows the tokens the step computed
+            sched.complete(done, [next_token(r.token_ids[:end] + drafted[:i], case.periodic)
+                                  for r, (end, drafted) in zip(done.sampling_requests, rows)
+                                  for i in range(len(drafted) + 1)])
         for req in sched.take_finished():
             results[req.request_id] = (req.finish_reason, req.output_ids)
         step += 1
-    where = f"seed {case.seed} (threshold {threshold}, lag {case.lag})"
+    where = f"seed {case.seed} (threshold {threshold}, drafts {drafts}, lag {case.lag})"
     assert not inflight and not sched.requests and not sched.has_work(), f"{where}: requests left at the end"
     assert pool.num_free_blocks == pool.num_blocks, f"{where}: {pool.num_used_blocks} KV blocks leaked"
     seen["preemptions"] += sched.num_preemptions
+    seen["accepted drafts"] += sched.num_accepted_drafts
+    seen["rejected drafts"] += sched.num_draft_tokens - sched.num_accepted_drafts
     seen["prefix hits"] += sched.num_cached_prompt_tokens > 0
     return results, seen
 
@@ -182,12 +214,12 @@ def run_case(seed: int) -> Counter:
     """Simulate the seed's workload with its threshold (and with 0), check every output.
     Returns what happened, for the coverage test."""
     case = make_case(seed)
-    results, seen = simulate(case, case.threshold)
-    plain = simulate(case, 0)[0] if case.threshold else results
+    results, seen = simulate(case, case.threshold, case.drafts)
+    plain = simulate(case, 0, 0)[0] if case.threshold or case.drafts else results
     for spec in case.specs:
-        where = f"seed {seed}: {spec.rid} (threshold {case.threshold}, lag {case.lag})"
+        where = f"seed {seed}: {spec.rid} (threshold {case.threshold}, drafts {case.drafts}, lag {case.lag})"
         reason, out = results[spec.rid]
-        alone = generate_alone(spec)
+        alone = generate_alone(spec, case.periodic)
         if reason == "abort":
             assert out == alone[1][: len(out)], f"{where}: aborted with {out}, not a prefix of {alone[1]}"
             continue
@@ -209,5 +241,5 @@ def test_the_seeds_cover_what_matters():
     generator change that loses one of these would leave it untested)."""
     seeds_with = Counter(what for s in SEEDS for what, n in run_case(s).items() if n)
     for what in ("preemptions", "prefix hits", "chunks cut at the threshold", "aborts", "stop", "length",
-                 "preemptions with a threshold and lag 1"):
+                 "preemptions with a threshold and lag 1", "accepted drafts", "rejected drafts"):
         assert seeds_with[what] >= 5, f"only {seeds_with[what]} of the seeds have {what}: {dict(seeds_with)}"

@@ -33,6 +33,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     pdl: bool = False
     # launch each step before taking the previous step's tokens; None: on accelerators only
     overlap_schedule: bool | None = None
+    # speculative decoding: "ngram" (prompt lookup, scheduler/ngram.py) or None; each step a
+    # decoding request verifies up to speculative_num_draft_tokens drafts
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 3
     seed: int = 0
     max_logprobs: int = 20  # most logprobs per token a request may ask for (as vLLM's default)
     grammar_compile_timeout_s: float = 30.0  # a structured-output grammar compiling longer is refused

@@ -49,6 +49,7 @@ class Engine:
                 max_num_batched_tokens=budget,
                 max_model_len=self.runner.max_model_len,
                 long_prefill_token_threshold=budget // 2 if threshold is None else threshold,
+                num_draft_tokens=config.speculative_num_draft_tokens if config.speculative_algorithm else 0,
             ),
             self.kv,
             eos,
@@ -57,7 +58,9 @@ class Engine:
         self.throughput = ThroughputWindow()
         # Overlap schedule: on accelerators unless disabled (a CPU computes on the cores
         # that would do the bookkeeping: nothing to overlap, and outputs would lag a step).
-        self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.runner.device.type != "cpu"
+        # Speculation drafts from the last token, which must be on the host: no overlap.
+        self.overlap = config.overlap_schedule if config.overlap_schedule is not None else (
+            self.runner.device.type != "cpu" and not config.speculative_algorithm)
         self.inflight: LaunchedStep | None = None  # launched, tokens not yet taken
         self._offline_ids = itertools.count()  # generate()'s request ids
         self.grammars = GrammarCompiles(self.runner.model_path, mc.vocab_size, sorted(eos),
@@ -117,7 +120,8 @@ class Engine:
             self.refresh_load()
             return StepOutput(outputs=self.finished_outputs(), load=self.load)
         prev, self.inflight = self.inflight, None
-        overlap = self.overlap and not any(BatchSampler.needs_host_tokens(r) for r in batch.requests)
+        # (a speculating request's accepted drafts decide its next step's tokens: taken at once)
+        overlap = self.overlap and not any(BatchSampler.needs_host_tokens(r) or r.draft_ids for r in batch.requests)
         outputs: list[RequestOutput] = []
         if prev is not None and not overlap:
             outputs += self._complete(prev)
@@ -186,6 +190,8 @@ class Engine:
             "num_waiting_reqs": self.scheduler.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_generated_tokens": s.num_generated_tokens,
+            "num_draft_tokens": self.scheduler.num_draft_tokens,
+            "num_accepted_drafts": self.scheduler.num_accepted_drafts,
             "gen_throughput": self.load.gen_throughput,
             "cache_hit_rate": self.load.cache_hit_rate,
             "num_used_blocks": self.pool.num_used_blocks,

@@ -152,6 +152,8 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
     input_logprobs: LogprobRows | None = None  # the prompt's, once, with the first tokens
     error: str | None = None  # why the request ended in error: refused, a grammar dead end, a shutdown
     error_code: str | None = None  # gRPC status name for `error`
+    num_draft_tokens: int = 0  # speculative drafts verified so far, and of them kept
+    num_accepted_drafts: int = 0
 
     @classmethod
     def refused(cls, msg: AddRequest, code: str, message: str) -> RequestOutput:

@@ -293,6 +293,14 @@ class ModelRunner:
         offset = 0
         for req, n, samples in zip(batch.requests, batch.num_new_tokens, batch.samples):
             start = req.num_computed_tokens
+            if req.draft_ids:  # speculating: its last token and the drafts, one decode row each
+                input_ids.extend(req.token_ids[start:] + req.draft_ids)
+                query_lens.extend([1] * n)
+                seq_lens.extend(range(start + 1, start + n + 1))
+                tables.extend([req.block_ids] * n)
+                sample_rows.extend(range(offset, offset + n))
+                offset += n
+                continue
             ids = req.token_ids[start : start + n]
             if len(ids) < n:  # the last input token is the previous step's sample, still on the device
                 assert len(ids) == n - 1 and req.num_pending == 1 and prev is not None, req.request_id
@@ -319,7 +327,7 @@ class ModelRunner:
                 meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
             hidden = self.model(ids, meta.positions, self.kv_caches, meta)
         # LM head on the sampling rows (and prompt-logprob rows), sampling, logprobs.
-        sampling = batch.sampling_requests
+        sampling = batch.sampling_rows
         tokens, logprobs = self.sampler.run(batch.requests, batch.num_new_tokens, hidden, sample_rows, sampling)
         return LaunchedStep(batch, self.download(tokens) if sampling else None, logprobs, launched_at)
 

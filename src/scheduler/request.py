@@ -62,6 +62,12 @@ class Request:
         self.stop_checker = stop_checker  # StopStringChecker, when stop strings are sent
         self.sampler_state = None  # owned by the sampler (seeded generator, token-id buffer)
         self.grammar = None  # xgrammar GrammarMatcher (structured output), set on release from hold
+        # N-gram speculation (ngram.py): this step's draft tokens (computed after the last
+        # token, one decode row each), the drafter's index, and counts for the response.
+        self.draft_ids: list[int] = []
+        self.ngram_index = None
+        self.num_draft_tokens = 0  # drafted over the request's life
+        self.num_accepted_drafts = 0  # of them, kept
         # Logprobs (sampling.return_logprob): output rows in step with the output tokens.
         self.output_logprobs = LogprobLists() if sampling.return_logprob else None
         # A prompt-only request's (max_new_tokens 0) token_ids_logprob row at the next
@@ -200,6 +206,8 @@ class Request:
             finish_reason=self.finish_reason,
             matched_token_id=self.matched_token_id,
             matched_stop_str=self.matched_stop_str,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_drafts=self.num_accepted_drafts,
         )
         if self.error is not None:
             out.error_code, out.error = self.error

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from .kv_manager import KVCacheManager
 from .messages import AddRequest
+from .ngram import NgramDrafter
 from .request import Request, Status
 
 if TYPE_CHECKING:
@@ -50,9 +51,14 @@ class ScheduledBatch:
 
     @property
     def sampling_requests(self) -> list[Request]:
-        """The requests that sample, in batch order: request i owns row i of the step's
-        sampled tokens."""
+        """The requests that sample, in batch order; each owns the next 1 + len(draft_ids)
+        rows of the step's sampled tokens (one row but for a speculating request)."""
         return [r for r, s in zip(self.requests, self.samples) if s]
+
+    @property
+    def sampling_rows(self) -> list[Request]:
+        """The request of each row of the step's sampled tokens."""
+        return [r for r in self.sampling_requests for _ in range(1 + len(r.draft_ids))]
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -78,6 +84,8 @@ class SchedulerConfig:
     # a prefill chunk with more tokens left is cut to this many, and only one such long
     # prompt is admitted at a time (vLLM's long-prefill threshold); 0: no limit
     long_prefill_token_threshold: int = 0
+    # n-gram speculation (ngram.py): most draft tokens a decoding request verifies per step; 0: off
+    num_draft_tokens: int = 0
 
 
 class Scheduler:
@@ -89,6 +97,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.held: dict[str, Request] = {}  # admitted, not schedulable yet (grammar compiling)
         self.requests: dict[str, Request] = {}
+        self.drafter = NgramDrafter(config.num_draft_tokens) if config.num_draft_tokens else None
+        self.num_draft_tokens = 0  # drafts verified, and of them kept (speculation's acceptance)
+        self.num_accepted_drafts = 0
         self.finished: list[Request] = []  # finished since the last drain (aborts included)
         self.num_preemptions = 0
         # prompt tokens of first admissions, and those of them served from the prefix cache
@@ -204,13 +215,13 @@ class Scheduler:
             budget = self._extend_cut_chunks(scheduled, budget)
             if budget and passed_over:  # still some left: the next in line, long or not
                 self._admit_waiting(scheduled, budget, budget)
-        # Single-token chunks (decodes, and prefills cut to one token) first: the attention
-        # path batches them together as decodes.
-        scheduled.sort(key=lambda item: item[1] != 1)
+        # Single-token chunks (decodes, and prefills cut to one token) and speculating
+        # decodes (one row per token) first: the attention path batches them as decodes.
+        scheduled.sort(key=lambda item: item[1] != 1 and not item[0].draft_ids)
         return ScheduledBatch(
             [r for r, _ in scheduled],
             [n for _, n in scheduled],
-            [r.num_computed_tokens + n == r.num_tokens_with_pending for r, n in scheduled],
+            [r.num_computed_tokens + n - len(r.draft_ids) == r.num_tokens_with_pending for r, n in scheduled],
         )
 
     def _schedule_running(self, scheduled: list[tuple[Request, int]], budget: int, cap: int) -> tuple[int, bool]:
@@ -225,6 +236,11 @@ class Scheduler:
                 i += 1
                 continue
             n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget, cap)
+            if n == 1 and self.drafter is not None and self._draft(req, budget):
+                scheduled.append((req, 1 + len(req.draft_ids)))
+                budget -= 1 + len(req.draft_ids)
+                i += 1
+                continue
             if req.num_pending and not self.kv.allocate(req, n):
                 # Its token in flight may end it and free its blocks: wait for that token
                 # rather than preempt a request for a step that may be wasted.
@@ -242,6 +258,17 @@ class Scheduler:
                 budget -= n
                 i += 1
         return budget, pool_short
+
+    def _draft(self, req: Request, budget: int) -> bool:
+        """Give a decoding request draft tokens to verify this step, if it may speculate, has
+        a match, and its blocks fit them (else it decodes one token as usual)."""
+        if req.num_computed_tokens != req.num_tokens - 1 or not self.drafter.eligible(req):
+            return False
+        drafts = self.drafter.propose(req, min(budget - 1, req.max_new_tokens - req.num_output_tokens - 1))
+        if not drafts or not self.kv.allocate(req, 1 + len(drafts)):
+            return False
+        req.draft_ids = drafts
+        return True
 
     def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int, cap: int) -> tuple[int, bool]:
         """Admit waiting requests in order while the budget, the running slots and the pool
@@ -314,7 +341,7 @@ class Scheduler:
             if samples:
                 req.pending_row = row
                 req.num_pending += 1
-                row += 1
+                row += 1 + len(req.draft_ids)
 
     def complete(self, batch: ScheduledBatch, sampled: list[int], logprobs: StepLogprobs | None = None) -> int:
         """When a launched step's tokens reach the host: append them (one per sampling
@@ -327,20 +354,30 @@ class Scheduler:
                 req.input_logprobs.append(*row)
         logprob_rows = logprobs.output if logprobs is not None else None
         appended = 0
-        for j, (req, token) in enumerate(zip(batch.sampling_requests, sampled)):
+        j = 0  # the request's first row of the sampled tokens
+        for req in batch.sampling_requests:
+            tokens = sampled[j : j + 1 + len(req.draft_ids)]
+            row = logprob_rows[j] if logprob_rows is not None else None
+            j += len(tokens)
             req.num_pending -= 1
             if req.is_finished:
+                req.draft_ids = []
                 continue
             was_running = req.status is Status.RUNNING
-            before = req.num_output_tokens
-            req.append_token(token)
-            row = logprob_rows[j] if logprob_rows is not None else None
-            if req.num_output_tokens > before:  # (not for a prompt-only request)
-                appended += 1
-                if row is not None:
-                    req.output_logprobs.append(*row)
-            elif row is not None and req.sampling.token_ids_logprob:
-                req.next_token_ids_logprobs = row.ids_values  # prefill-only scoring: no token, one row
+            if req.draft_ids:
+                self.num_draft_tokens += len(req.draft_ids)
+                kept_before = req.num_accepted_drafts
+                appended += self._accept(req, tokens)
+                self.num_accepted_drafts += req.num_accepted_drafts - kept_before
+            else:
+                before = req.num_output_tokens
+                req.append_token(tokens[0])
+                if req.num_output_tokens > before:  # (not for a prompt-only request)
+                    appended += 1
+                    if row is not None:
+                        req.output_logprobs.append(*row)
+                elif row is not None and req.sampling.token_ids_logprob:
+                    req.next_token_ids_logprobs = row.ids_values  # prefill-only scoring: no token, one row
             if req.is_finished:
                 self.kv.commit(req)  # its full blocks stay cached for later prompts
                 # a request preempted while this step ran sits in the queue
@@ -350,6 +387,27 @@ class Scheduler:
             if not req.is_finished:
                 self.kv.commit(req)
         return appended
+
+    @staticmethod
+    def _accept(req: Request, tokens: list[int]) -> int:
+        """A speculating request's rows: row i sampled the token after draft i - 1 (row 0:
+        after its last token). Drafts are kept while each equals the sample of the row
+        before it; the first sample that differs (or the one after the last draft) ends
+        the run. Appends them (up to a stop) and returns how many; the KV of the drafts not
+        kept leaves the computed tokens, to be written over."""
+        drafts = req.draft_ids
+        kept = 0
+        while kept < len(drafts) and tokens[kept] == drafts[kept]:
+            kept += 1
+        req.num_computed_tokens -= len(drafts) - kept
+        req.num_draft_tokens += len(drafts)
+        req.num_accepted_drafts += kept
+        req.draft_ids = []
+        for n, token in enumerate(tokens[: kept + 1], 1):
+            req.append_token(token)
+            if req.is_finished:
+                return n
+        return kept + 1
 
     def take_finished(self) -> list[Request]:
         done, self.finished = self.finished, []

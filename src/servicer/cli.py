@@ -116,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "bookkeeping behind the device's work: auto = on for accelerators, off on CPU")
     p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_const", const="off",
                    help="same as --overlap-schedule off (SGLang's spelling)")
+    p.add_argument("--speculative-algorithm", type=str.lower, choices=["ngram"], default=e.speculative_algorithm,
+                   help="speculative decoding: ngram (prompt lookup: a decoding request's next tokens guessed "
+                   "from what followed the latest earlier occurrence of its last tokens, then verified in the "
+                   "same step; the output is unchanged, greedy or sampled, and repetitive text (code edits, "
+                   "quoting the context) takes fewer steps) (default: off)")
+    p.add_argument("--speculative-num-draft-tokens", type=_COUNT, default=e.speculative_num_draft_tokens,
+                   help="most draft tokens a request verifies per step with --speculative-algorithm (on a CPU, "
+                   "up to 3 keep one request's step on the few-row projections)")
     p.add_argument("--max-logprobs", type=_number(int, 0), default=e.max_logprobs,
                    help="most logprobs per token a request may ask for (top_logprobs_num, token_ids_logprob)")
     p.add_argument("--grammar-compile-timeout", dest="grammar_compile_timeout_s", default=e.grammar_compile_timeout_s,

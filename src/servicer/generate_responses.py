@@ -94,6 +94,8 @@ class GenerateResponses:
             completion_tokens=out.num_output_tokens,
             cached_tokens=out.num_cached_tokens,
             index=seq.index,
+            spec_draft_tokens=out.num_draft_tokens,
+            spec_accepted_tokens=out.num_accepted_drafts,
         )
         if out.matched_token_id is not None:
             complete.matched_token_id = out.matched_token_id
