@@ -346,3 +346,18 @@ def test_per_device_defaults_on_the_cpu(loaded):
     config = make_engine(loaded).scheduler.config
     assert (config.max_num_batched_tokens, config.max_running_requests) == (512, 64)
     assert config.long_prefill_token_threshold == 256
+
+
+def test_a_token_outside_the_vocabulary_is_refused_not_run(loaded):
+    from scheduler.messages import AddRequest
+    from servicer.server import warmup_prompt
+
+    engine = make_engine(loaded)
+    vocab = loaded.config.vocab_size
+    for bad in ([5, vocab], [-1, 5]):
+        with pytest.raises(AdmissionError, match="outside the vocabulary") as e:
+            engine.add_request(AddRequest("x", bad, GREEDY))
+        assert e.value.code == "INVALID_ARGUMENT"
+    assert not engine.has_work()
+    # the daemon's own warm-up request fits a small vocabulary (and a short context)
+    assert max(warmup_prompt(4096, 320)) < 320 and warmup_prompt(3, 49152) == [123]

@@ -67,3 +67,19 @@ def test_without_trimming_nothing_waits(tok, ids):
     safe, match = feed(StopStringChecker(tok, ["𝔘"], [1, 2], trim=False), ids)
     assert match == ("𝔘", 4)
     assert safe == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_a_stop_string_that_is_a_special_token_matches_by_id(tok):
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    hi = tok.encode("Hi there", add_special_tokens=False)
+    checker = StopStringChecker(tok, ["<|im_end|>"], [1, 2], trim=True)
+    matches = [checker.feed(t) for t in hi + [im_end]]
+    assert matches[:-1] == [None] * len(hi) and matches[-1] == ("<|im_end|>", len(hi))  # the token is trimmed
+
+
+def test_a_special_token_before_a_stop_string_is_kept(tok):
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    big, paris = tok.encode(" big", add_special_tokens=False), tok.encode(" Paris", add_special_tokens=False)
+    checker = StopStringChecker(tok, ["Paris"], [1, 2], trim=True)
+    _, match = feed(checker, big + [im_start] + paris)
+    assert match == ("Paris", len(big) + 1)  # " big" and the special token stay; " Paris" goes

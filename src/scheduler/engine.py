@@ -72,6 +72,11 @@ class Engine:
     def add_request(self, msg: AddRequest) -> Request:
         """Queue a request; raises AdmissionError for one that can never run."""
         self.scheduler.check_queue_room()  # first: under overload, refuse before any setup
+        vocab = self.runner.model_config.vocab_size
+        if msg.input_ids and not 0 <= min(msg.input_ids) <= max(msg.input_ids) < vocab:
+            # (the servicer checks this too; here so no path can reach the embedding with one)
+            bad = next(t for t in msg.input_ids if not 0 <= t < vocab)
+            raise AdmissionError("INVALID_ARGUMENT", f"token id {bad} is outside the vocabulary (size {vocab})")
         sp = msg.sampling
         if sp.constraint_kind:
             self.grammars.check_room()

@@ -7,7 +7,9 @@ router decodes that way). Every output token records where its text ends, so a m
 trimmed at token granularity (as SGLang trims ids): the tokens from the one holding the
 stop string's first character on are dropped. While no stop string matched, the tokens
 that could still begin one (a text suffix that is a prefix of a stop string, or bytes
-not yet decoded) are held back from streaming.
+not yet decoded) are held back from streaming. A stop string that is exactly a special (or
+added) token's text, such as "<|im_end|>", never shows in that text: it is matched by the
+token's id instead (as SGLang, which decodes with special tokens, matches it).
 
 The tokenizer is loaded lazily, once per scheduler process, from the model's tokenizer
 directory (:func:`model_source.prepare_tokenizer_dir`).
@@ -59,6 +61,8 @@ class StopStringChecker:
         # repetitive they are.
         self.failure = [_failure_function(s) for s in self.stops]
         self.matched = [0] * len(self.stops)
+        added = tokenizer.get_added_vocab()  # special and added tokens: text -> id
+        self.token_stops = {added[s]: s for s in self.stops if s in added}
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -67,10 +71,17 @@ class StopStringChecker:
         """Add one output token; on a match returns (stop string, output tokens to keep)."""
         self.ids.append(token_id)
         self.ends.append(len(self.text))
+        stop = self.token_stops.get(token_id)
+        if stop is not None:  # a special token's text: a match here, the token itself trimmed
+            return stop, len(self.ends) - 1
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return None  # nothing printable yet (partial UTF-8 or a skipped special token)
+        if new_text.endswith("\ufffd"):
+            return None  # a character's first bytes: its token completes with the next
+        if len(new_text) <= len(prefix_text):  # no text (a skipped special token): complete as it is
+            if self.num_decoded == len(self.ends) - 1:
+                self.num_decoded += 1
+            return None
         before = len(self.text)
         added = new_text[len(prefix_text) :]
         self.text += added
