@@ -336,24 +336,31 @@ def test_regex_and_ebnf_constraints(grpc_stub, tokenizer, story, stream):
 
 
 @pytest.mark.parametrize("kind,spec", [("json_schema", "{not json"), ("regex", "(unclosed"), ("ebnf_grammar", "root ::= ")])
-def test_bad_constraint_is_invalid_argument(grpc_stub, story, kind, spec):
+def test_bad_constraint_is_a_failed_constraint(grpc_stub, story, kind, spec):
+    """As SGLang's servicer answers it: FAILED_PRECONDITION with the trailer the router
+    turns into HTTP 422 (router contract, errors)."""
     sp = sampling(max_new_tokens=4)
     setattr(sp, kind, spec)
     with pytest.raises(grpc.RpcError) as ei:
         generate(grpc_stub, make_request(story, params=sp), timeout=60)
-    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert_constraint_failed(ei.value)
     assert f"invalid {kind}" in ei.value.details(), ei.value.details()
 
 
+def assert_constraint_failed(error: grpc.RpcError) -> None:
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, (error.code(), error.details())
+    assert ("smg-constraint-failed", "engine") in tuple(error.trailing_metadata() or ()), error.trailing_metadata()
+
+
 @pytest.mark.parametrize("grammar", ["root ::= root", 'root ::= "a" x\nx ::= x'])
-def test_a_grammar_with_no_way_to_finish_is_invalid_argument(grpc_stub, story, grammar):
+def test_a_grammar_with_no_way_to_finish_is_a_failed_constraint(grpc_stub, story, grammar):
     """A grammar that compiles but admits no complete output leaves the sampler no token
-    (at once, or after "a"): the request ends with INVALID_ARGUMENT instead of emitting
+    (at once, or after "a"): the request ends as a failed constraint instead of emitting
     tokens outside it up to the length limit, and frees its KV."""
     sp = sampling(max_new_tokens=32, temperature=0.7)
     sp.ebnf_grammar = grammar
     with pytest.raises(grpc.RpcError) as ei:
         generate(grpc_stub, make_request(story, params=sp), timeout=60)
-    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (ei.value.code(), ei.value.details())
+    assert_constraint_failed(ei.value)
     assert "allows no token" in ei.value.details(), ei.value.details()
     assert wait_kv_free(grpc_stub) == KV_FREE, "the refused request still runs or holds KV"

@@ -171,7 +171,7 @@ def _engine_with_a_stuck_grammar(loaded, monkeypatch, timeout_s: float):
 
 def test_a_grammar_compiling_past_its_time_limit_is_refused_and_delays_no_other(loaded, monkeypatch):
     """Two compiles that never end fill both compile threads: each request is refused with
-    INVALID_ARGUMENT once it has compiled for grammar_compile_timeout_s, and the grammar
+    CONSTRAINT_FAILED once it has compiled for grammar_compile_timeout_s, and the grammar
     queued behind them is restarted on fresh threads and served."""
     import time
 
@@ -192,7 +192,7 @@ def test_a_grammar_compiling_past_its_time_limit_is_refused_and_delays_no_other(
                 if o.error:
                     errors[o.request_id] = (o.error_code, o.error)
         assert sorted(errors) == ["stuck-1", "stuck-2"], errors
-        assert all(code == "INVALID_ARGUMENT" and "did not compile within 5 s" in msg for code, msg in errors.values())
+        assert all(code == "CONSTRAINT_FAILED" and "did not compile within 5 s" in msg for code, msg in errors.values())
         from scheduler.stop_strings import load_tokenizer
 
         *text, end = tokens["queued"]
@@ -302,7 +302,7 @@ def test_a_compiling_grammar_holds_only_its_own_request(loaded, reference, monke
     while engine.has_work():
         step()
     assert finish["aborted"] == "abort" and not tokens["aborted"]
-    assert list(errors) == ["invalid"] and errors["invalid"][0] == "INVALID_ARGUMENT"
+    assert list(errors) == ["invalid"] and errors["invalid"][0] == "CONSTRAINT_FAILED"
     assert "invalid regex" in errors["invalid"][1], errors  # xgrammar's reason, passed on
     from scheduler.stop_strings import load_tokenizer
 

@@ -14,6 +14,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+from .messages import CONSTRAINT_FAILED
 from .request import Request
 from .scheduler import AdmissionError
 
@@ -33,7 +34,7 @@ def _compile_grammar(model_path: str, vocab_size: int, eos_ids: list[int], kind:
     try:
         return GrammarBackend.get(model_path, vocab_size, eos_ids).matcher(kind, spec)
     except GrammarError as e:
-        raise AdmissionError("INVALID_ARGUMENT", str(e)) from e
+        raise AdmissionError(CONSTRAINT_FAILED, str(e)) from e
     except Exception as e:  # noqa: BLE001  (no xgrammar / tokenizer)
         raise AdmissionError("FAILED_PRECONDITION", f"structured output is unavailable: {e}") from e
 
@@ -104,7 +105,7 @@ class GrammarCompiles:
                     job.started = now
             elif now - job.started > self.timeout_s:
                 del self.jobs[rid]
-                result.refused.append((job.request, "INVALID_ARGUMENT", f"the {job.kind} constraint did not "
+                result.refused.append((job.request, CONSTRAINT_FAILED, f"the {job.kind} constraint did not "
                                        f"compile within {self.timeout_s:g} s (--grammar-compile-timeout); simplify it"))
                 self._disown(job.future)
                 timed_out = True

@@ -16,6 +16,10 @@ from typing import Any, Union
 import msgspec
 
 GREEDY_TEMPERATURE = 1e-5  # kernels.sampling.MIN_TEMPERATURE (this module stays torch-free)
+# RequestOutput.error_code of a structured-output failure (a grammar that does not compile,
+# or admits no complete output): FAILED_PRECONDITION with the trailer
+# `smg-constraint-failed: engine`, which the router answers with HTTP 422, as SGLang's servicer does.
+CONSTRAINT_FAILED = "CONSTRAINT_FAILED"
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 
-from .messages import LogprobLists, LogprobRows, RequestOutput, SamplingParams
+from .messages import CONSTRAINT_FAILED, LogprobLists, LogprobRows, RequestOutput, SamplingParams
 
 
 class Status(enum.Enum):
@@ -155,7 +155,7 @@ class Request:
         if self.grammar is not None and not self.grammar.accept_token(token_id):
             # The sampler keeps to the grammar's bitmask: it left a token outside only
             # because the grammar allowed none (e.g. ``root ::= root``), a dead end.
-            self.error = ("INVALID_ARGUMENT", f"the structured-output grammar allows no token after "
+            self.error = (CONSTRAINT_FAILED, f"the structured-output grammar allows no token after "
                           f"{self.num_output_tokens - 1} output token(s): it admits no complete output from "
                           "here (or the penalties ruled out every token it allows)")
             self.finish("abort")

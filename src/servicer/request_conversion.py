@@ -17,6 +17,10 @@ MAX_SEED = 2**64  # seeds are 64-bit; negative ones wrap
 # step loop: bound the work one request can add to everyone's steps (OpenAI allows 4).
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512
+# Each of a call's n sequences carries its own copy of these to the scheduler (and its own
+# sampler state there): bound them so n x entries stays modest (OpenAI allows 300 biases).
+MAX_LOGIT_BIAS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class InvalidRequest(ValueError):
@@ -68,6 +72,8 @@ def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
         if not -MAX_SEED // 2 <= number < MAX_SEED:
             raise InvalidRequest(f"custom_params.seed must fit in 64 bits, got {number:.6g}")
         seed = int(number) % MAX_SEED
+    if len(sp.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"sampling_params.logit_bias has {len(sp.logit_bias)} entries; the most is {MAX_LOGIT_BIAS}")
     logit_bias = {}
     for key, value in sp.logit_bias.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 10):  # int() also takes "1_0", " 5", "٣"
@@ -152,6 +158,8 @@ def to_add_request(request, model_info: dict) -> AddRequest:
     longest = max(sampling.stop, key=len, default="")
     if len(longest) > MAX_STOP_CHARS:
         raise InvalidRequest(f"a stop string has {len(longest)} characters; the most is {MAX_STOP_CHARS}")
+    if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"{len(sampling.stop_token_ids)} stop token ids; the most is {MAX_STOP_TOKEN_IDS}")
     bad = next((t for t in sampling.stop_token_ids if t >= vocab), None)
     if bad is not None:
         raise InvalidRequest(f"stop token id {bad} is outside the vocabulary (size {vocab})")

@@ -15,6 +15,7 @@ import msgspec
 from google.protobuf import struct_pb2, timestamp_pb2
 
 from scheduler.config import EngineConfig
+from scheduler.messages import CONSTRAINT_FAILED
 
 from .generated import common_pb2
 from .generated import sglang_scheduler_pb2 as pb
@@ -86,8 +87,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
                 if isinstance(out, Exception):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {out}")
                 if out.error is not None:
-                    code = getattr(grpc.StatusCode, out.error_code or "INTERNAL", grpc.StatusCode.INTERNAL)
-                    await context.abort(code, out.error)
+                    await _abort_with_error(context, out.error_code, out.error)
                 for response in responses.on_output(out):
                     yield response
                 if out.finish_reason is not None:
@@ -331,3 +331,12 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
             yield common_pb2.GetTokenizerChunk(data=part, sha256=sha256 if last else "")
+
+
+async def _abort_with_error(context, error_code: str | None, message: str) -> None:
+    """End the call with a request's error from the scheduler (a gRPC status name, or
+    CONSTRAINT_FAILED: FAILED_PRECONDITION with the trailer the router maps to HTTP 422)."""
+    if error_code == CONSTRAINT_FAILED:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, message,
+                            trailing_metadata=(("smg-constraint-failed", "engine"),))
+    await context.abort(getattr(grpc.StatusCode, error_code or "INTERNAL", grpc.StatusCode.INTERNAL), message)
