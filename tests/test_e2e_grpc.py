@@ -502,6 +502,21 @@ def test_abort_unknown_request_is_noop(grpc_stub):
         assert r.success is False and "not found" in r.message, r
 
 
+def test_an_abort_that_overtakes_its_generate_still_ends_it(grpc_stub, story):
+    """The router aborts once, when its client drops; that Abort can reach us before the
+    Generate it cancels. The Generate then ends at once (CANCELLED), not at its length limit."""
+    rid = f"overtaken-{uuid.uuid4().hex[:8]}"
+    r = grpc_stub.Abort(pb.AbortRequest(request_id=rid, reason="Stream dropped"), timeout=5)
+    assert r.success is False  # (nothing to abort yet)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as ei:
+        generate(grpc_stub, make_request(story, max_new_tokens=300, ignore_eos=True, stream=True, rid=rid))
+    assert ei.value.code() == grpc.StatusCode.CANCELLED and "aborted before it arrived" in ei.value.details()
+    assert time.monotonic() - started < 5
+    # remembered once: the id runs normally afterwards
+    assert one_complete(grpc_stub, make_request(story, max_new_tokens=2, rid=rid)).completion_tokens == 2
+
+
 def test_abort_stops_a_running_stream(grpc_stub, story):
     """The router sends Abort{rid, "Stream dropped"} when a streaming client leaves and keeps
     reading; the daemon must stop generating and end the stream, and free its KV."""

@@ -33,6 +33,11 @@ try:
 except importlib.metadata.PackageNotFoundError:  # run from a source tree without installing
     VERSION = "0+unknown"
 FLUSH_ANSWER_S = 10.0  # the scheduler answers a flush between steps
+# An Abort may overtake its Generate (the router aborts when the client drops, once): ids
+# aborted while unknown are remembered this long (and at most this many), and a Generate
+# with one ends at once instead of running to its length limit for nobody.
+EARLY_ABORT_TTL_S = 5.0  # (the race is milliseconds wide; an id reused later must still run)
+MAX_EARLY_ABORTS = 4096
 
 
 def _struct(values: dict) -> struct_pb2.Struct:
@@ -49,6 +54,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         self.start_time = time.time()
         self.last_receive_time = 0.0
         self.children: dict[str, list[str]] = {}  # parent request id -> scheduler request ids
+        self.early_aborts: dict[str, float] = {}  # id aborted before its Generate came -> when (monotonic)
         self._bundle: asyncio.Task | None = None  # (zip bytes, sha256), built once
         self.kv_events = KvEventHub()  # numbered from the first batch, subscribers or not
         client.kv_event_listener = self.kv_events.publish
@@ -73,6 +79,8 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         except InvalidRequest as e:
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))
         rid = request.request_id
+        if self.early_aborts.pop(rid, None) is not None:
+            await context.abort(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted before it arrived")
         ids = await self._sequence_ids(request, context)
         responses = GenerateResponses(request, ids)
         self.children[rid] = ids
@@ -126,7 +134,17 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         found = [cid for cid in ids if self.client.abort(cid, request.reason)]
         if found:
             return pb.AbortResponse(success=True, message=f"aborted {len(found)} sequence(s)")
+        if request.request_id not in self.children:  # not running (nor finishing): may still come
+            self._remember_early_abort(request.request_id)
         return pb.AbortResponse(success=False, message=f"request {request.request_id!r} not found")
+
+    def _remember_early_abort(self, rid: str) -> None:
+        now = time.monotonic()
+        for old, at in list(self.early_aborts.items()):  # oldest first: drop the expired
+            if now - at < EARLY_ABORT_TTL_S and len(self.early_aborts) < MAX_EARLY_ABORTS:
+                break
+            del self.early_aborts[old]
+        self.early_aborts[rid] = now
 
     # -- health and info ---------------------------------------------------------------
     async def HealthCheck(self, request, context):
