@@ -75,7 +75,8 @@ def test_kernel_and_schedule_flags():
      ["--kv-cache-tokens", "10", "--kv-cache-memory", "1GiB"], ["--overlap-schedule", "maybe"],
      ["--port", "70000"], ["--port", "-1"], ["--max-model-len", "0"], ["--num-threads", "0"],
      ["--kv-cache-tokens", "-100"], ["--dtype", "int8"], ["--max-logprobs", "-1"], ["--max-queued-requests", "-1"],
-     ["--long-prefill-token-threshold", "-1"],
+     ["--long-prefill-token-threshold", "-1"], ["--speculative-algorithm", "eagle"],
+     ["--speculative-algorithm", "ngram", "--overlap-schedule", "on"], ["--speculative-num-draft-tokens", "0"],
      ["--watchdog-timeout", "-1"], ["--watchdog-timeout", "nan"], ["--grammar-compile-timeout", "0"],
      ["--shutdown-grace-period", "-1"], ["--block-size", "x"]],
 )

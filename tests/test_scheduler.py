@@ -6,6 +6,7 @@ import pytest
 from scheduler.block_pool import BlockPool
 from scheduler.kv_manager import KVCacheManager
 from scheduler.messages import AddRequest, SamplingParams
+from scheduler.ngram import NgramDrafter
 from scheduler.scheduler import AdmissionError, Scheduler, SchedulerConfig
 
 
@@ -140,6 +141,31 @@ def test_a_cut_chunk_grows_only_into_blocks_that_hold_all_of_it():
     assert chunks(sched.schedule()) == {"a": 7}
     run(sched)
     assert sched.num_preemptions == 0 and pool.num_free_blocks == pool.num_blocks
+
+
+def periodic_step(sched, batch):
+    """Launch and complete a step of a 'model' that repeats every third token: each row
+    samples what came three tokens before (drafts from the repeats then always hold)."""
+    rows = [(r.token_ids + r.draft_ids[:i])[-3] for r in batch.sampling_requests for i in range(1 + len(r.draft_ids))]
+    step(sched, batch, rows)
+
+
+def test_drafts_take_only_the_budget_prefill_leaves():
+    sched, _ = make_scheduler(budget=8)
+    sched.drafter = NgramDrafter(num_draft_tokens=3)
+    for rid in ("a", "b"):
+        add(sched, rid, [5, 6, 7, 5, 6, 7, 5, 6], max_new=30)  # (2 is the stop id here)
+    while len(sched.running) < 2 or any(r.num_output_tokens == 0 for r in sched.running):  # both prompts
+        periodic_step(sched, sched.schedule())
+    for _ in range(2):  # then each decodes 1 + 3 drafts a step: the whole budget
+        batch = sched.schedule()
+        assert chunks(batch) == {"a": 4, "b": 4} and all(len(r.draft_ids) == 3 for r in batch.requests)
+        periodic_step(sched, batch)
+    add(sched, "short", [50, 51, 52, 53, 54, 55])
+    batch = sched.schedule()  # the newcomer's prefill first, drafts from what it leaves
+    assert chunks(batch) == {"a": 1, "b": 1, "short": 6}  # (drafts first would leave it no room)
+    periodic_step(sched, batch)
+    assert sched.num_accepted_drafts == sched.num_draft_tokens > 12  # (the 'model' repeats: all kept)
 
 
 def outputs(prompts, **kw):

@@ -160,6 +160,13 @@ def simulate(case: Case, threshold: int, drafts: int) -> tuple[dict[str, tuple[s
     config = SchedulerConfig(case.max_running, case.budget, 4096, long_prefill_token_threshold=threshold,
                              num_draft_tokens=drafts)
     sched = Scheduler(config, KVCacheManager(pool), frozenset({EOS}))
+    cache_block = pool.cache_block
+
+    def cache_whole_block(block_id, digest, parent, token_ids):  # (what KvStored sends the router)
+        assert len(token_ids) == case.block_size, f"seed {case.seed}: block {block_id} cached with {token_ids}"
+        return cache_block(block_id, digest, parent, token_ids)
+
+    pool.cache_block = cache_whole_block
     results: dict[str, tuple[str, list[int]]] = {}
     seen = Counter()
     # launched: (step, per sampling request: the tokens its row 0 follows, and its drafts)
@@ -198,6 +205,8 @@ def simulate(case: Case, threshold: int, drafts: int) -> tuple[dict[str, tuple[s
                                   for i in range(len(drafted) + 1)])
         for req in sched.take_finished():
             results[req.request_id] = (req.finish_reason, req.output_ids)
+            assert req.num_accepted_drafts <= req.num_output_tokens, (
+                f"{where}: {req.request_id} kept {req.num_accepted_drafts} drafts of {req.num_output_tokens} outputs")
         step += 1
     where = f"seed {case.seed} (threshold {threshold}, drafts {drafts}, lag {case.lag})"
     assert not inflight and not sched.requests and not sched.has_work(), f"{where}: requests left at the end"

@@ -124,3 +124,10 @@ def test_preemption_and_chunked_prefill_with_speculation(loaded):
     assert got == expected
     assert spec.scheduler.num_preemptions > 0 and spec.scheduler.num_accepted_drafts > 0
     assert_no_leak(spec)
+
+
+def test_speculation_refuses_a_forced_overlap_schedule(loaded):
+    """Once a step overlaps, every request has a token in flight and none could draft again."""
+    with pytest.raises(ValueError, match="cannot run with the overlap schedule"):
+        make_engine(loaded, spec=True, overlap_schedule=True)
+    assert not make_engine(loaded, spec=True).overlap

@@ -50,6 +50,7 @@ class Engine:
                 max_model_len=self.runner.max_model_len,
                 long_prefill_token_threshold=budget // 2 if threshold is None else threshold,
                 num_draft_tokens=config.speculative_num_draft_tokens if config.speculative_algorithm else 0,
+                max_speculative_rows=self.runner.graphs.sizes[-1] if self.runner.graphs else None,
             ),
             self.kv,
             eos,
@@ -59,6 +60,9 @@ class Engine:
         # Overlap schedule: on accelerators unless disabled (a CPU computes on the cores
         # that would do the bookkeeping: nothing to overlap, and outputs would lag a step).
         # Speculation drafts from the last token, which must be on the host: no overlap.
+        if config.speculative_algorithm and config.overlap_schedule:
+            raise ValueError("speculative decoding needs each step's tokens before the next is scheduled: "
+                             "it cannot run with the overlap schedule (leave --overlap-schedule at auto or off)")
         self.overlap = config.overlap_schedule if config.overlap_schedule is not None else (
             self.runner.device.type != "cpu" and not config.speculative_algorithm)
         self.inflight: LaunchedStep | None = None  # launched, tokens not yet taken

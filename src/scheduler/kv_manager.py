@@ -80,10 +80,12 @@ class KVCacheManager:
         if not self.pool.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = req.num_computed_tokens // bs
+        # (computed tokens can run ahead of the known ones: a speculating step in flight)
+        known = min(req.num_computed_tokens, req.num_tokens)
+        num_full = known // bs
         if num_full <= req.num_committed_blocks:
             return
-        self._update_digests(req, req.num_computed_tokens)
+        self._update_digests(req, known)
         for i in range(req.num_committed_blocks, num_full):
             parent = req.block_digests[i - 1] if i else None
             self.pool.cache_block(req.block_ids[i], req.block_digests[i], parent, req.token_ids[i * bs : (i + 1) * bs])

@@ -86,6 +86,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # n-gram speculation (ngram.py): most draft tokens a decoding request verifies per step; 0: off
     num_draft_tokens: int = 0
+    # most decode rows (one per decode, one per draft) a step may have with drafts: the
+    # largest CUDA graph, beyond which a step would run eagerly; None: no limit
+    max_speculative_rows: int | None = None
 
 
 class Scheduler:
@@ -214,7 +217,9 @@ class Scheduler:
         if budget and cap < self.config.max_num_batched_tokens:
             budget = self._extend_cut_chunks(scheduled, budget)
             if budget and passed_over:  # still some left: the next in line, long or not
-                self._admit_waiting(scheduled, budget, budget)
+                budget, _ = self._admit_waiting(scheduled, budget, budget)
+        if budget > 1 and self.drafter is not None and not pool_short:  # what prefill left over
+            self._add_drafts(scheduled, budget)
         # Single-token chunks (decodes, and prefills cut to one token) and speculating
         # decodes (one row per token) first: the attention path batches them as decodes.
         scheduled.sort(key=lambda item: item[1] != 1 and not item[0].draft_ids)
@@ -236,11 +241,6 @@ class Scheduler:
                 i += 1
                 continue
             n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget, cap)
-            if n == 1 and self.drafter is not None and self._draft(req, budget):
-                scheduled.append((req, 1 + len(req.draft_ids)))
-                budget -= 1 + len(req.draft_ids)
-                i += 1
-                continue
             if req.num_pending and not self.kv.allocate(req, n):
                 # Its token in flight may end it and free its blocks: wait for that token
                 # rather than preempt a request for a step that may be wasted.
@@ -259,16 +259,29 @@ class Scheduler:
                 i += 1
         return budget, pool_short
 
-    def _draft(self, req: Request, budget: int) -> bool:
-        """Give a decoding request draft tokens to verify this step, if it may speculate, has
-        a match, and its blocks fit them (else it decodes one token as usual)."""
-        if req.num_computed_tokens != req.num_tokens - 1 or not self.drafter.eligible(req):
-            return False
-        drafts = self.drafter.propose(req, min(budget - 1, req.max_new_tokens - req.num_output_tokens - 1))
-        if not drafts or not self.kv.allocate(req, 1 + len(drafts)):
-            return False
-        req.draft_ids = drafts
-        return True
+    def _add_drafts(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
+        """Give decoding requests draft tokens to verify in this step, out of the budget the
+        step's other work left (drafts never delay a prefill), each as far as a match goes,
+        the decode rows stay within ``max_speculative_rows`` and the pool keeps a block for
+        every running request's next token (a draft must not cost a preemption)."""
+        rows = sum(1 for _, n in scheduled if n == 1)
+        row_cap = self.config.max_speculative_rows
+        bs = self.kv.block_size
+        for i, (req, n) in enumerate(scheduled):
+            room = min(budget, row_cap - rows if row_cap else budget)
+            if room < 1:
+                return
+            if n != 1 or req.num_computed_tokens != req.num_tokens - 1 or not self.drafter.eligible(req):
+                continue
+            spare_blocks = len(req.block_ids) + self.kv.pool.num_free_blocks - len(self.running)
+            limit = min(room, req.max_new_tokens - req.num_output_tokens - 1,
+                        spare_blocks * bs - req.num_computed_tokens - 1)
+            drafts = self.drafter.propose(req, limit)
+            if drafts and self.kv.allocate(req, 1 + len(drafts)):
+                req.draft_ids = drafts
+                scheduled[i] = (req, 1 + len(drafts))
+                budget -= len(drafts)
+                rows += len(drafts)
 
     def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int, cap: int) -> tuple[int, bool]:
         """Admit waiting requests in order while the budget, the running slots and the pool
@@ -401,12 +414,14 @@ class Scheduler:
             kept += 1
         req.num_computed_tokens -= len(drafts) - kept
         req.num_draft_tokens += len(drafts)
-        req.num_accepted_drafts += kept
         req.draft_ids = []
         for n, token in enumerate(tokens[: kept + 1], 1):
             req.append_token(token)
-            if req.is_finished:
+            if req.is_finished:  # a stop inside the kept drafts: what follows it never was
+                req.num_accepted_drafts += n - 1
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
                 return n
+        req.num_accepted_drafts += kept
         return kept + 1
 
     def take_finished(self) -> list[Request]:

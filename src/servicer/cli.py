@@ -147,7 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
-    args = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    if args["speculative_algorithm"] and args["overlap_schedule"] == "on":
+        parser.error("--speculative-algorithm cannot run with --overlap-schedule on (a step's drafts come from "
+                     "the tokens the previous step kept)")
     args["overlap_schedule"] = {"auto": None, "on": True, "off": False}[args["overlap_schedule"]]
     engine_fields = set(EngineConfig.__struct_fields__)
     server_fields = {f.name for f in dataclasses.fields(ServerConfig)}
