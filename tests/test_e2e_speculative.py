@@ -40,7 +40,6 @@ def test_greedy_stream_matches_the_plain_daemon_and_reports_its_drafts(spec_stub
     assert streamed == list(done.output_ids) == list(plain.output_ids)
     assert done.finish_reason == "length" and done.completion_tokens == 40
     assert 0 < done.spec_accepted_tokens <= done.spec_draft_tokens
-    assert plain.spec_draft_tokens == 0
     assert wait_idle(spec_stub) == 0 and used_tokens(spec_stub) == 0
 
 

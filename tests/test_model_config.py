@@ -159,3 +159,12 @@ def test_granite_scalars_take_hf_defaults_and_gguf_granite_is_refused():
     assert ModelConfig.from_hf_dict(LLAMA).attention_multiplier is None  # 1/sqrt(head_dim)
     with pytest.raises(NotImplementedError, match="GGUF architecture 'granite'"):
         ModelConfig.from_gguf(_gguf_reader(**{"general.architecture": "granite"}))
+
+
+def test_yarn_extends_the_context_to_factor_times_the_original():
+    """Qwen's documented setting: 32k trained, yarn x4 -> a 131,072-token context (vLLM
+    derives it the same way); transformers leaves max_position_embeddings as written."""
+    qwen = {**LLAMA, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "max_position_embeddings": 40960}
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert ModelConfig.from_hf_dict({**qwen, "rope_scaling": yarn}).max_position_embeddings == 131072
+    assert ModelConfig.from_hf_dict(qwen).max_position_embeddings == 40960

@@ -10,7 +10,7 @@ def request(tokens, **sampling):
 
 
 def test_the_longest_suffix_match_at_its_latest_occurrence_wins():
-    drafter = NgramDrafter(num_draft_tokens=3)
+    drafter = NgramDrafter(max_draft_tokens=3)
     # suffix [7, 8]: after its first occurrence 1, 2; after its latest (as [5, 7, 8]) 9, 9
     req = request([7, 8, 1, 2, 5, 7, 8, 9, 9, 4, 5, 7, 8])
     assert drafter.propose(req, limit=10) == [9, 9, 4]  # the 3-gram [5, 7, 8], latest occurrence
@@ -18,14 +18,14 @@ def test_the_longest_suffix_match_at_its_latest_occurrence_wins():
 
 
 def test_no_draft_without_an_earlier_occurrence_of_two_tokens():
-    drafter = NgramDrafter(num_draft_tokens=3)
+    drafter = NgramDrafter(max_draft_tokens=3)
     assert drafter.propose(request([1, 2, 3, 4, 5]), limit=3) == []
     assert drafter.propose(request([5, 1, 2, 3, 5]), limit=3) == []  # one token repeats: too weak a hint
     assert drafter.propose(request([1, 2, 3, 1, 2]), limit=0) == []
 
 
 def test_the_index_follows_appended_tokens():
-    drafter = NgramDrafter(num_draft_tokens=4)
+    drafter = NgramDrafter(max_draft_tokens=4)
     req = request([1, 2, 3, 4])
     assert drafter.propose(req, limit=4) == []
     req.token_ids += [1, 2]  # (as outputs are appended)

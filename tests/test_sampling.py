@@ -386,6 +386,9 @@ class CharTokenizer:
     def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
         return "".join(chr(i) for i in ids if i)
 
+    def get_added_vocab(self):
+        return {}
+
 
 def feed_all(text, stops, trim=True, min_new=0):
     from scheduler.stop_strings import StopStringChecker

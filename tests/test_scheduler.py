@@ -152,7 +152,7 @@ def periodic_step(sched, batch):
 
 def test_drafts_take_only_the_budget_prefill_leaves():
     sched, _ = make_scheduler(budget=8)
-    sched.drafter = NgramDrafter(num_draft_tokens=3)
+    sched.drafter = NgramDrafter(max_draft_tokens=3)
     for rid in ("a", "b"):
         add(sched, rid, [5, 6, 7, 5, 6, 7, 5, 6], max_new=30)  # (2 is the stop id here)
     while len(sched.running) < 2 or any(r.num_output_tokens == 0 for r in sched.running):  # both prompts

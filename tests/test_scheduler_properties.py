@@ -158,7 +158,7 @@ def simulate(case: Case, threshold: int, drafts: int) -> tuple[dict[str, tuple[s
     reason, output ids) and counts of what happened."""
     pool = BlockPool(case.num_blocks + 1, case.block_size, case.prefix_caching)
     config = SchedulerConfig(case.max_running, case.budget, 4096, long_prefill_token_threshold=threshold,
-                             num_draft_tokens=drafts)
+                             max_draft_tokens=drafts)
     sched = Scheduler(config, KVCacheManager(pool), frozenset({EOS}))
     cache_block = pool.cache_block
 

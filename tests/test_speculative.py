@@ -130,4 +130,6 @@ def test_speculation_refuses_a_forced_overlap_schedule(loaded):
     """Once a step overlaps, every request has a token in flight and none could draft again."""
     with pytest.raises(ValueError, match="cannot run with the overlap schedule"):
         make_engine(loaded, spec=True, overlap_schedule=True)
-    assert not make_engine(loaded, spec=True).overlap
+    config = EngineConfig(device="cpu", kv_cache_tokens=1024, speculative_algorithm="eagle")
+    with pytest.raises(ValueError, match="'eagle' is not supported"):
+        Engine(config, ModelRunner(config, loaded))

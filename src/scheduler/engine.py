@@ -49,7 +49,7 @@ class Engine:
                 max_num_batched_tokens=budget,
                 max_model_len=self.runner.max_model_len,
                 long_prefill_token_threshold=budget // 2 if threshold is None else threshold,
-                num_draft_tokens=config.speculative_num_draft_tokens if config.speculative_algorithm else 0,
+                max_draft_tokens=config.speculative_num_draft_tokens if config.speculative_algorithm else 0,
                 max_speculative_rows=self.runner.graphs.sizes[-1] if self.runner.graphs else None,
             ),
             self.kv,
@@ -60,6 +60,8 @@ class Engine:
         # Overlap schedule: on accelerators unless disabled (a CPU computes on the cores
         # that would do the bookkeeping: nothing to overlap, and outputs would lag a step).
         # Speculation drafts from the last token, which must be on the host: no overlap.
+        if config.speculative_algorithm not in (None, "ngram"):
+            raise ValueError(f"speculative algorithm {config.speculative_algorithm!r} is not supported (have: ngram)")
         if config.speculative_algorithm and config.overlap_schedule:
             raise ValueError("speculative decoding needs each step's tokens before the next is scheduled: "
                              "it cannot run with the overlap schedule (leave --overlap-schedule at auto or off)")
@@ -129,8 +131,7 @@ class Engine:
             self.refresh_load()
             return StepOutput(outputs=self.finished_outputs(), load=self.load)
         prev, self.inflight = self.inflight, None
-        # (a speculating request's accepted drafts decide its next step's tokens: taken at once)
-        overlap = self.overlap and not any(BatchSampler.needs_host_tokens(r) or r.draft_ids for r in batch.requests)
+        overlap = self.overlap and not any(BatchSampler.needs_host_tokens(r) for r in batch.requests)
         outputs: list[RequestOutput] = []
         if prev is not None and not overlap:
             outputs += self._complete(prev)

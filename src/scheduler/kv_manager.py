@@ -80,7 +80,7 @@ class KVCacheManager:
         if not self.pool.enable_prefix_caching:
             return
         bs = self.block_size
-        # (computed tokens can run ahead of the known ones: a speculating step in flight)
+        # (never past the known tokens: a block's digest needs all of its tokens)
         known = min(req.num_computed_tokens, req.num_tokens)
         num_full = known // bs
         if num_full <= req.num_committed_blocks:

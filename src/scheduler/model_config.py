@@ -93,6 +93,8 @@ class ModelConfig:
             rope["original_max_position_embeddings"] = original = original or max_positions
             if rope.get("factor") is None:
                 rope["factor"] = max_positions / original
+            # what yarn is for: the context grows to factor x the original (as vLLM derives it)
+            cfg = {**cfg, "max_position_embeddings": max(max_positions, int(original * rope["factor"]))}
         missing = [k for k in _ROPE_SCALING_KEYS.get(rope.get("rope_type"), ()) if k not in rope]
         if missing:
             raise ValueError(f"rope scaling {rope['rope_type']!r} needs {', '.join(missing)} in the config")

@@ -284,7 +284,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, prev: LaunchedStep | None = None) -> LaunchedStep:
         """Start one step on the device; its sampled tokens (one per request that reaches
-        the end of its known and pending tokens, in batch order) arrive with
+        the end of its known and pending tokens, 1 + drafts for a speculating one, in batch
+        order) arrive with
         :meth:`LaunchedStep.result`. A request's pending last token (overlap schedule) is
         read from ``prev``'s sampled tokens on the device, never from the host."""
         launched_at = time.monotonic()

@@ -15,43 +15,41 @@ row costs the same pass over the weights, so a few rows cost little more than on
 from __future__ import annotations
 
 from .request import Request
+from .sampling_batch import BatchSampler
 
 MAX_NGRAM = 4  # the longest suffix looked up (a longer match is the more specific guess)
 MIN_NGRAM = 2  # a single repeated token is too weak a hint: its drafts would mostly be wasted rows
+# Only the n-grams of the last this-many tokens (of a long prompt) are indexed: the first
+# decode step of a 32k-token prompt would otherwise spend ~90 ms building its index.
+WINDOW = 4096
 
 
 class NgramDrafter:
-    def __init__(self, num_draft_tokens: int, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM):
-        self.num_draft_tokens = num_draft_tokens
-        self.max_ngram = max_ngram
-        self.min_ngram = min_ngram
+    def __init__(self, max_draft_tokens: int):
+        self.max_draft_tokens = max_draft_tokens
 
     @staticmethod
     def eligible(req: Request) -> bool:
-        """Requests whose rows a step may sample independently of each other: no per-token
-        state in the sampler (penalties, grammar, logprobs, a seeded generator, a pending
-        min_new_tokens ban on stop ids), and no token in flight."""
+        """Requests whose rows a step may sample independently of each other: nothing the
+        sampler reads from the tokens so far (penalties, grammar, logprobs), no seeded
+        generator, no pending min_new_tokens ban on stop ids."""
         sp = req.sampling
         return not (
-            req.num_pending
-            or sp.has_penalties
-            or req.grammar is not None
-            or req.output_logprobs is not None
-            or req.needs_input_logprobs
+            BatchSampler.needs_host_tokens(req)
             or (sp.seed is not None and not sp.greedy)
             or req.num_output_tokens < sp.min_new_tokens
         )
 
     def propose(self, req: Request, limit: int) -> list[int]:
-        """Up to ``min(num_draft_tokens, limit)`` tokens that followed the latest earlier
-        occurrence of the longest suffix (``max_ngram`` down to ``min_ngram`` tokens) of
-        the request's sequence; [] when none occurred."""
-        limit = min(limit, self.num_draft_tokens)
+        """Up to ``min(max_draft_tokens, limit)`` tokens that followed the latest earlier
+        occurrence of the longest suffix (MAX_NGRAM down to MIN_NGRAM tokens) of the
+        request's sequence; [] when none occurred."""
+        limit = min(limit, self.max_draft_tokens)
         if limit <= 0:
             return []
         tokens = req.token_ids
         index = self._index(req)
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+        for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
             if len(tokens) <= n:
                 continue
             start = index.get(tuple(tokens[-n:]))
@@ -59,18 +57,20 @@ class NgramDrafter:
                 return tokens[start : start + limit]
         return []
 
-    def _index(self, req: Request) -> dict[tuple[int, ...], int]:
-        """The request's n-grams that end before its last token, each mapped to the position
-        right after its latest occurrence; extended by the tokens added since the last call
-        (kept on the request, which owns nothing else of the drafter's)."""
+    @staticmethod
+    def _index(req: Request) -> dict[tuple[int, ...], int]:
+        """The request's n-grams that end before its last token (within WINDOW of it),
+        each mapped to the position right after its latest occurrence; extended by the
+        tokens added since the last call (kept on the request, which owns nothing else of
+        the drafter's)."""
         state = req.ngram_index
         if state is None:
             state = req.ngram_index = ({}, 0)
         index, done = state
         tokens = req.token_ids
         end = len(tokens) - 1  # n-grams ending at positions < end: the suffix itself is not its own match
-        for e in range(done, end):
-            for n in range(self.min_ngram, self.max_ngram + 1):
+        for e in range(max(done, end - WINDOW), end):
+            for n in range(MIN_NGRAM, MAX_NGRAM + 1):
                 if e + 1 >= n:
                     index[tuple(tokens[e + 1 - n : e + 1])] = e + 1
         req.ngram_index = (index, max(done, end))

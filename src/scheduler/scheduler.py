@@ -85,7 +85,7 @@ class SchedulerConfig:
     # prompt is admitted at a time (vLLM's long-prefill threshold); 0: no limit
     long_prefill_token_threshold: int = 0
     # n-gram speculation (ngram.py): most draft tokens a decoding request verifies per step; 0: off
-    num_draft_tokens: int = 0
+    max_draft_tokens: int = 0
     # most decode rows (one per decode, one per draft) a step may have with drafts: the
     # largest CUDA graph, beyond which a step would run eagerly; None: no limit
     max_speculative_rows: int | None = None
@@ -100,7 +100,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.held: dict[str, Request] = {}  # admitted, not schedulable yet (grammar compiling)
         self.requests: dict[str, Request] = {}
-        self.drafter = NgramDrafter(config.num_draft_tokens) if config.num_draft_tokens else None
+        self.drafter = NgramDrafter(config.max_draft_tokens) if config.max_draft_tokens else None
         self.num_draft_tokens = 0  # drafts verified, and of them kept (speculation's acceptance)
         self.num_accepted_drafts = 0
         self.finished: list[Request] = []  # finished since the last drain (aborts included)
@@ -378,10 +378,7 @@ class Scheduler:
                 continue
             was_running = req.status is Status.RUNNING
             if req.draft_ids:
-                self.num_draft_tokens += len(req.draft_ids)
-                kept_before = req.num_accepted_drafts
                 appended += self._accept(req, tokens)
-                self.num_accepted_drafts += req.num_accepted_drafts - kept_before
             else:
                 before = req.num_output_tokens
                 req.append_token(tokens[0])
@@ -401,8 +398,7 @@ class Scheduler:
                 self.kv.commit(req)
         return appended
 
-    @staticmethod
-    def _accept(req: Request, tokens: list[int]) -> int:
+    def _accept(self, req: Request, tokens: list[int]) -> int:
         """A speculating request's rows: row i sampled the token after draft i - 1 (row 0:
         after its last token). Drafts are kept while each equals the sample of the row
         before it; the first sample that differs (or the one after the last draft) ends
@@ -413,16 +409,20 @@ class Scheduler:
         while kept < len(drafts) and tokens[kept] == drafts[kept]:
             kept += 1
         req.num_computed_tokens -= len(drafts) - kept
-        req.num_draft_tokens += len(drafts)
         req.draft_ids = []
-        for n, token in enumerate(tokens[: kept + 1], 1):
+        appended = 0
+        for token in tokens[: kept + 1]:
             req.append_token(token)
+            appended += 1
             if req.is_finished:  # a stop inside the kept drafts: what follows it never was
-                req.num_accepted_drafts += n - 1
                 req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
-                return n
+                kept = appended - 1
+                break
+        req.num_draft_tokens += len(drafts)
         req.num_accepted_drafts += kept
-        return kept + 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_drafts += kept
+        return appended
 
     def take_finished(self) -> list[Request]:
         done, self.finished = self.finished, []

@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "dependents, each pulling its weights into L2 while the kernel before it finishes")
     p.add_argument("--overlap-schedule", choices=["auto", "on", "off"], default="auto",
                    help="launch each step before taking the previous step's tokens, hiding the host's "
-                   "bookkeeping behind the device's work: auto = on for accelerators, off on CPU")
+                   "bookkeeping behind the device's work: auto = on for accelerators, off on CPU and with "
+                   "--speculative-algorithm")
     p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_const", const="off",
                    help="same as --overlap-schedule off (SGLang's spelling)")
     p.add_argument("--speculative-algorithm", type=str.lower, choices=["ngram"], default=e.speculative_algorithm,

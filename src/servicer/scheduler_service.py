@@ -79,7 +79,8 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         except InvalidRequest as e:
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))
         rid = request.request_id
-        if self.early_aborts.pop(rid, None) is not None:
+        aborted_at = self.early_aborts.pop(rid, None)
+        if aborted_at is not None and time.monotonic() - aborted_at < EARLY_ABORT_TTL_S:
             await context.abort(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted before it arrived")
         ids = await self._sequence_ids(request, context)
         responses = GenerateResponses(request, ids)
@@ -140,7 +141,8 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
 
     def _remember_early_abort(self, rid: str) -> None:
         now = time.monotonic()
-        for old, at in list(self.early_aborts.items()):  # oldest first: drop the expired
+        while self.early_aborts:  # oldest first: drop the expired, and the oldest beyond the cap
+            old, at = next(iter(self.early_aborts.items()))
             if now - at < EARLY_ABORT_TTL_S and len(self.early_aborts) < MAX_EARLY_ABORTS:
                 break
             del self.early_aborts[old]
