@@ -510,3 +510,18 @@ class Router(_ManagedProcess):
                     if t is not None and t.status == 200:
                         return
             time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def scheduler_stub(address: str, timeout: float = 30.0):
+    """A SglangScheduler stub (smg-grpc-proto) on the daemon at `address`, its channel
+    closed on exit."""
+    import grpc
+    from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+    channel = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+        yield pb_grpc.SglangSchedulerStub(channel)
+    finally:
+        channel.close()

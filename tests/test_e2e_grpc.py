@@ -731,24 +731,31 @@ def test_health_check_rpc_fast_under_load(grpc_stub, story):
     assert worst < 5.0, f"HealthCheck took {worst:.2f} s while generating"
 
 
-def test_health_stays_up_during_long_prefill(grpc_stub, health_stub):
-    """A busy scheduler is not a dead one (contract §4: readiness may drop only after 30 s
-    without output while requests are pending; liveness '' never for mere load; GetLoads
-    must keep answering while generation runs, §10)."""
-    prompt = [1000 + (i * 7919) % 40000 for i in range(3000)]
-    done = threading.Event()
-    result = {}
+def prefill_in_background(stub, prompt):
+    """Start a one-token request for `prompt` on a thread, every prompt token computed (a
+    fresh salt: no prefix-cache hit). Returns (thread, done event, result: "c" its
+    GenerateComplete or "e" its exception)."""
+    done, result = threading.Event(), {}
 
     def run():
-        try:  # a fresh salt: no prefix-cache hit, the whole prompt is prefilled
-            result["c"] = one_complete(grpc_stub, make_request(prompt, max_new_tokens=1, cache_salt=fresh_salt()))
-        except Exception as e:  # noqa: BLE001 - reported below
+        try:
+            result["c"] = one_complete(stub, make_request(prompt, max_new_tokens=1, cache_salt=fresh_salt()))
+        except Exception as e:  # noqa: BLE001 - reported by the caller
             result["e"] = e
         finally:
             done.set()
 
     t = threading.Thread(target=run)
     t.start()
+    return t, done, result
+
+
+def test_health_stays_up_during_long_prefill(grpc_stub, health_stub):
+    """A busy scheduler is not a dead one (contract §4: readiness may drop only after 30 s
+    without output while requests are pending; liveness '' never for mere load; GetLoads
+    must keep answering while generation runs, §10)."""
+    prompt = [1000 + (i * 7919) % 40000 for i in range(3000)]
+    t, done, result = prefill_in_background(grpc_stub, prompt)
     problems = []
     probes = 0  # rounds finished while the request was in flight
     try:
@@ -784,19 +791,7 @@ def test_a_short_request_is_answered_while_a_long_prompt_prefills(grpc_stub):
     step and is answered before the long prompt's first token, not after its whole prefill."""
     assert server_info(grpc_stub).server_args.fields["long_prefill_token_threshold"].number_value == 256
     long_prompt = [1000 + (i * 7919) % 40000 for i in range(4000)]  # ~8 steps of 512 tokens
-    done = threading.Event()
-    result = {}
-
-    def run_long():
-        try:
-            result["c"] = one_complete(grpc_stub, make_request(long_prompt, max_new_tokens=1, cache_salt=fresh_salt()))
-        except Exception as e:  # noqa: BLE001 - reported below
-            result["e"] = e
-        finally:
-            done.set()
-
-    t = threading.Thread(target=run_long)
-    t.start()
+    t, done, result = prefill_in_background(grpc_stub, long_prompt)
     try:
         deadline = time.monotonic() + RPC_TIMEOUT
         while not num_running(grpc_stub) and not done.is_set() and time.monotonic() < deadline:

@@ -8,12 +8,10 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
-from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from helpers import Daemon
+from helpers import Daemon, scheduler_stub
 from test_e2e_grpc import (RPC_TIMEOUT, chunks_of, completes_of, fresh_salt, generate, make_request, one_complete,
                            wait_idle)
 
@@ -21,11 +19,8 @@ from test_e2e_grpc import (RPC_TIMEOUT, chunks_of, completes_of, fresh_salt, gen
 @pytest.fixture(scope="module")
 def overlap_stub(tmp_path_factory):
     with Daemon(max_running_requests=16, kv_cache_tokens=8192, extra_args=["--overlap-schedule", "on"],
-                log_dir=tmp_path_factory.mktemp("overlap")) as d:
-        ch = grpc.insecure_channel(d.address)
-        grpc.channel_ready_future(ch).result(timeout=30)
-        yield pb_grpc.SglangSchedulerStub(ch)
-        ch.close()
+                log_dir=tmp_path_factory.mktemp("overlap")) as d, scheduler_stub(d.address) as stub:
+        yield stub
 
 
 def work(n=12, seed=11):

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import random
 
-import grpc
 import pytest
-from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from helpers import Daemon
+from helpers import Daemon, scheduler_stub
 from test_e2e_grpc import chunks_of, completes_of, fresh_salt, generate, make_request, one_complete, wait_idle
 from test_e2e_overlap import used_tokens
 
@@ -18,11 +16,8 @@ from test_e2e_overlap import used_tokens
 @pytest.fixture(scope="module")
 def spec_stub(tmp_path_factory):
     with Daemon(max_running_requests=8, kv_cache_tokens=8192, extra_args=["--speculative-algorithm", "ngram"],
-                log_dir=tmp_path_factory.mktemp("speculative")) as d:
-        ch = grpc.insecure_channel(d.address)
-        grpc.channel_ready_future(ch).result(timeout=30)
-        yield pb_grpc.SglangSchedulerStub(ch)
-        ch.close()
+                log_dir=tmp_path_factory.mktemp("speculative")) as d, scheduler_stub(d.address) as stub:
+        yield stub
 
 
 def repeated_prompt(seed=0):
