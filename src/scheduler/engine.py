@@ -12,7 +12,7 @@ from .block_pool import BlockPool
 from .config import EngineConfig
 from .grammar_compiles import GrammarCompiles
 from .kv_manager import KVCacheManager
-from .messages import AddRequest, LoadSnapshot, RequestOutput, SamplingParams, StepOutput
+from .messages import AddRequest, LoadSnapshot, RequestOutput, SamplingParams, StepOutput, out_of_vocabulary
 from .metrics import EngineStats, ThroughputWindow
 from .model_runner import LaunchedStep, ModelRunner
 from .request import Request
@@ -79,9 +79,8 @@ class Engine:
         """Queue a request; raises AdmissionError for one that can never run."""
         self.scheduler.check_queue_room()  # first: under overload, refuse before any setup
         vocab = self.runner.model_config.vocab_size
-        if msg.input_ids and not 0 <= min(msg.input_ids) <= max(msg.input_ids) < vocab:
-            # (the servicer checks this too; here so no path can reach the embedding with one)
-            bad = next(t for t in msg.input_ids if not 0 <= t < vocab)
+        bad = out_of_vocabulary(msg.input_ids, vocab)  # (as the servicer: no path may reach the embedding with one)
+        if bad is not None:
             raise AdmissionError("INVALID_ARGUMENT", f"token id {bad} is outside the vocabulary (size {vocab})")
         sp = msg.sampling
         if sp.constraint_kind:

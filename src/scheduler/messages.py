@@ -22,6 +22,13 @@ GREEDY_TEMPERATURE = 1e-5  # kernels.sampling.MIN_TEMPERATURE (this module stays
 CONSTRAINT_FAILED = "CONSTRAINT_FAILED"
 
 
+def out_of_vocabulary(token_ids: list[int], vocab_size: int) -> int | None:
+    """The first token id outside [0, vocab_size), or None (one pass when all are inside)."""
+    if not token_ids or 0 <= min(token_ids) <= max(token_ids) < vocab_size:
+        return None
+    return next(t for t in token_ids if not 0 <= t < vocab_size)
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     """Normalised sampling parameters (proto3 zeros already mapped to their meaning)."""
 

@@ -19,6 +19,9 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "granite": "GraniteForCausalLM",
 }
+# GGUF general.architecture -> HF architecture: not granite (its llama.cpp q/k layout and
+# scale keys are unverified here: serve its HF checkpoint).
+GGUF_ARCHITECTURES = {k: v for k, v in ARCHITECTURES.items() if k != "granite"}
 # What each supported rope scaling reads (kernels/rotary.py): checked at start-up, so an
 # incomplete config is refused by name rather than with a bare KeyError.
 _ROPE_SCALING_KEYS = {
@@ -165,9 +168,9 @@ class ModelConfig:
             return default if f is None else f.contents()
 
         arch = field("general.architecture")
-        if arch not in ARCHITECTURES or arch == "granite":  # (granite: from its HF checkpoint only)
-            supported = sorted(set(ARCHITECTURES) - {"granite"})
-            raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (have {supported})")
+        if arch not in GGUF_ARCHITECTURES:
+            have = sorted(GGUF_ARCHITECTURES)
+            raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (have {have})")
         tensors = {t.name: t for t in reader.tensors}
         hidden = field(f"{arch}.embedding_length")
         heads = field(f"{arch}.attention.head_count")
@@ -191,7 +194,7 @@ class ModelConfig:
         eos = list(dict.fromkeys(e for e in eos if e is not None))
         bias = "blk.0.attn_q.bias" in tensors
         return cls(
-            architecture=ARCHITECTURES[arch],
+            architecture=GGUF_ARCHITECTURES[arch],
             model_type=arch,
             vocab_size=int(vocab),
             hidden_size=hidden,

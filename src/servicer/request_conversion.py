@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from scheduler.messages import AddRequest, SamplingParams
+from scheduler.messages import AddRequest, SamplingParams, out_of_vocabulary
 
 
 MAX_N = 1024  # sequences per Generate call (OpenAI allows 128)
@@ -73,7 +73,8 @@ def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
             raise InvalidRequest(f"custom_params.seed must fit in 64 bits, got {number:.6g}")
         seed = int(number) % MAX_SEED
     if len(sp.logit_bias) > MAX_LOGIT_BIAS:
-        raise InvalidRequest(f"sampling_params.logit_bias has {len(sp.logit_bias)} entries; the most is {MAX_LOGIT_BIAS}")
+        raise InvalidRequest(f"sampling_params.logit_bias has {len(sp.logit_bias)} entries; "
+                             f"the most is {MAX_LOGIT_BIAS}")
     logit_bias = {}
     for key, value in sp.logit_bias.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 10):  # int() also takes "1_0", " 5", "٣"
@@ -149,8 +150,8 @@ def to_add_request(request, model_info: dict) -> AddRequest:
                              "(prompt must be shorter)")
     input_ids = list(request.tokenized.input_ids)
     vocab = model_info["vocab_size"]
-    if max(input_ids) >= vocab:  # (uint32 on the wire: never negative)
-        bad = next(t for t in input_ids if t >= vocab)
+    bad = out_of_vocabulary(input_ids, vocab)
+    if bad is not None:
         raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {vocab})")
     sampling = normalize_sampling(request.sampling_params, vocab)
     if len(sampling.stop) > MAX_STOP_STRINGS:
@@ -160,7 +161,7 @@ def to_add_request(request, model_info: dict) -> AddRequest:
         raise InvalidRequest(f"a stop string has {len(longest)} characters; the most is {MAX_STOP_CHARS}")
     if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(f"{len(sampling.stop_token_ids)} stop token ids; the most is {MAX_STOP_TOKEN_IDS}")
-    bad = next((t for t in sampling.stop_token_ids if t >= vocab), None)
+    bad = out_of_vocabulary(sampling.stop_token_ids, vocab)
     if bad is not None:
         raise InvalidRequest(f"stop token id {bad} is outside the vocabulary (size {vocab})")
     if request.return_logprob:

@@ -42,11 +42,6 @@ GRPC_OPTIONS = [
 WARMUP_PROMPT = [123, 456, 789, 234, 567, 890, 345]
 
 
-def warmup_prompt(context: int, vocab: int) -> list[int]:
-    """The warm-up's prompt: fits whatever --max-model-len says, and any vocabulary."""
-    return [t % vocab for t in WARMUP_PROMPT[: max(1, context - 2)]]
-
-
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -65,7 +60,8 @@ async def warm_up(client: SchedulerClient, timeout: float = 120.0) -> None:
     queue: asyncio.Queue = asyncio.Queue()
     rid = f"warmup-{time.time_ns()}"
     context = client.model_info["max_context_length"]
-    prompt = warmup_prompt(context, client.model_info["vocab_size"])
+    # (fits whatever --max-model-len says, and any vocabulary)
+    prompt = [t % client.model_info["vocab_size"] for t in WARMUP_PROMPT[: max(1, context - 2)]]
     max_new = max(1, min(8, context - len(prompt)))
     client.submit(AddRequest(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=max_new)), queue)
 
