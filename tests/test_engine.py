@@ -2,6 +2,7 @@
 preemption must not change greedy tokens, and every KV block comes back."""
 
 import random
+import re
 
 import pytest
 
@@ -310,6 +311,23 @@ def test_a_compiling_grammar_holds_only_its_own_request(loaded, reference, monke
     assert finish["constrained"] == "stop" and end in engine.scheduler.eos_token_ids
     assert load_tokenizer(engine.runner.model_path).decode(text) in ("yes!", "no!")
     assert_no_leak(engine)
+
+
+def test_a_grammar_error_says_whether_the_spec_or_the_grammar_engine_is_at_fault(loaded):
+    pytest.importorskip("xgrammar")
+    from scheduler.grammar import GrammarBackend, GrammarError
+
+    backend = GrammarBackend.get(loaded.path, loaded.config.vocab_size, [2])
+    cases = {
+        '{"type": "object", "properties": 3': "invalid json_schema: not JSON",  # xgrammar: "Check failed"
+        '{"type": "strin"}': 'invalid json_schema: Unsupported type "strin"',
+        # A valid schema beyond xgrammar's limits (large repetition counts in a pattern):
+        '{"type": "string", "pattern": "([a-z][0-9]){200,2000}"}':
+            "json_schema not supported by the grammar engine (xgrammar): Check failed",
+    }
+    for spec, message in cases.items():
+        with pytest.raises(GrammarError, match=re.escape(message)):
+            backend.compile("json_schema", spec)
 
 
 def test_a_kv_cache_larger_than_the_memory_left_is_refused(loaded):

@@ -32,6 +32,13 @@ def _clean(e: Exception) -> str:
     return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text).split("\n")[0].strip() or type(e).__name__
 
 
+def _check_json(kind: str, spec: str):
+    try:
+        return json.loads(spec)
+    except ValueError as e:
+        raise GrammarError(f"invalid {kind}: not JSON: {e}") from e
+
+
 # Compiled grammars are cached (a repeated schema compiles in microseconds), but every
 # tool-calling request may bring its own: unbounded, the cache grew ~140 KB per schema.
 GRAMMAR_CACHE_BYTES = 512 * 2**20  # (as vLLM's default)
@@ -69,6 +76,7 @@ class GrammarBackend:
         c = self.compiler
         try:
             if kind == "json_schema":
+                _check_json(kind, spec)  # xgrammar's parse errors read like its internal ones
                 return c.compile_json_schema(spec)
             if kind == "regex":
                 return c.compile_regex(spec)
@@ -79,16 +87,16 @@ class GrammarBackend:
         except GrammarError:
             raise
         except Exception as e:  # noqa: BLE001  (xgrammar raises RuntimeError and friends)
-            raise GrammarError(f"invalid {kind}: {_clean(e)}") from e
+            reason = _clean(e)
+            if reason.startswith("Check failed"):  # an internal limit of xgrammar's, not the spec's fault
+                raise GrammarError(f"{kind} not supported by the grammar engine (xgrammar): {reason}") from e
+            raise GrammarError(f"invalid {kind}: {reason}") from e
         raise GrammarError(f"unknown constraint kind {kind!r}")
 
     def _structural_tag(self, spec: str):
         import xgrammar as xgr
 
-        try:
-            data = json.loads(spec)
-        except ValueError as e:
-            raise GrammarError(f"invalid structural_tag: not JSON: {e}") from e
+        data = _check_json("structural_tag", spec)
         if isinstance(data, dict) and "structures" in data:  # SGLang / OpenAI legacy form
             tags = [
                 xgr.StructuralTagItem(
