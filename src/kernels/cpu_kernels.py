@@ -281,15 +281,27 @@ def qkv_rope_store(
 
 
 # -- projections of a few rows (csrc/gemv.c) ---------------------------------------------------
-FEW_ROWS_MAX = 4  # MAX_ROWS in gemv.c
+GEMV_MAX_ROWS = 32  # MAX_ROWS in gemv.c
+
+
+def _few_rows_max() -> dict[torch.dtype, int]:
+    """Up to how many rows ``linear`` takes ``few_rows_linear``: where whole decode steps
+    ran faster with it than with torch's GEMM (2-core Xeon, SmolLM2, see linear.py). fp32
+    with AVX-512 (16-float vectors) to 24 rows, without to 12; bf16 to 4 (from 6 rows on,
+    torch's bf16 GEMM, AMX where there is one, is faster)."""
+    avx512 = "avx512f" in _cpu_signature().split()
+    return {torch.float32: 24 if avx512 else 12, torch.bfloat16: 4}
+
+
+FEW_ROWS_MAX = _few_rows_max()
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``x @ weight.T + bias`` for ``x [M <= 4, K]``: a memory-bound pass over the weights,
-    which gemv.c streams faster than torch's GEMM does (kernels/linear.py has numbers)."""
+    """``x @ weight.T + bias`` for ``x [M <= 32, K]`` in one pass over the weights, which
+    gemv.c streams faster than torch's GEMM does (kernels/linear.py has numbers)."""
     if (
         x.dim() != 2
-        or x.shape[0] > FEW_ROWS_MAX
+        or x.shape[0] > GEMV_MAX_ROWS
         or x.shape[1] % 32
         or weight.dim() != 2
         or weight.shape[1] != x.shape[1]

@@ -3,13 +3,17 @@
 Three shapes are slow with torch 2.13's CPU GEMMs as ``F.linear``, measured rather than
 explained (2-core EPYC, SmolLM2 shapes, in-process A/B):
 
-* A few rows (decode of one to four requests): a pass over the weights that torch reads
+* A few rows (decode of a few requests): a pass over the weights that torch reads
   from DRAM at ~12 GB/s; the native ``few_rows_linear`` (csrc/gemv.c) streams them at
   22-32 GB/s: the 30 layers' projections at one row take 35 -> 13 ms in fp32 and
   16 -> 7 ms in bf16, at four rows 47 -> 19 and 18 -> 13 ms. On a 2-core Xeon with AMX
   (another machine of this kind) a pass over all of SmolLM2's weights at one row takes
   9.8 ms in bf16 (AVX512-BF16 dot products; torch 23.6) and 20.0 in fp32 (torch 20.9), at
-  four rows 14.5 (torch 22.3) and 22.9 (torch 34.9).
+  four rows 14.5 (torch 22.3) and 22.9 (torch 34.9). Past four rows the kernel takes the
+  rows of x four at a time against each block of weights (read from memory once, then from
+  L1), so in fp32 it stays ahead of torch up to ~24 rows with AVX-512: whole decode steps
+  at 5 rows 55.8 -> 33.0 ms, 8 rows 58.7 -> 37.0, 16 rows 65.2 -> 53.6, 24 74.7 -> 69.6, a
+  wash at 32 (``cpu_kernels.FEW_ROWS_MAX``). In bf16, torch's GEMM (AMX) wins from 6 rows.
 
 * Short batches: ``weight @ x.T`` (made contiguous afterwards) beats ``F.linear`` on a few
   dozen rows: the layer projections at 16 rows 10-25% faster, a whole decode step at 64
@@ -44,7 +48,7 @@ def linear(
     any strides (the fused kernels in ``cpu_kernels``), saving the transpose copy."""
     if x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)
-    if x.shape[0] <= cpu_kernels.FEW_ROWS_MAX:
+    if x.shape[0] <= cpu_kernels.FEW_ROWS_MAX.get(x.dtype, 0):
         out = cpu_kernels.few_rows_linear(x, weight, bias)
         if out is not None:
             return out
