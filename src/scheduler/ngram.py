@@ -14,6 +14,8 @@ row costs the same pass over the weights, so a few rows cost little more than on
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from .request import Request
 from .sampling_batch import BatchSampler
 
@@ -22,11 +24,27 @@ MIN_NGRAM = 2  # a single repeated token is too weak a hint: its drafts would mo
 # Only the n-grams of the last this-many tokens (of a long prompt) are indexed: the first
 # decode step of a 32k-token prompt would otherwise spend ~90 ms building its index.
 WINDOW = 4096
+# Back-off: after k verifies in a row with no draft kept, a request skips its next
+# min(2**k - 1, MAX_SKIP) chances to draft. Open text repeats little of its context, and
+# its rejected drafts are rows every step pays for (at large batches, real compute); one
+# kept draft resets it, so text that quotes its context keeps drafting every step.
+MAX_SKIP = 16
+
+
+@dataclass
+class DraftState:
+    """What the drafter keeps per request (on the request, which owns nothing else of it)."""
+
+    index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> position after it
+    indexed: int = 0  # the n-grams ending before this position are in the index
+    misses: int = 0  # verifies in a row with no draft kept
+    skip: int = 0  # chances to draft left to pass up (back-off)
 
 
 class NgramDrafter:
-    def __init__(self, max_draft_tokens: int):
+    def __init__(self, max_draft_tokens: int, max_skip: int = MAX_SKIP):
         self.max_draft_tokens = max_draft_tokens
+        self.max_skip = max_skip  # 0: no back-off
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -47,8 +65,12 @@ class NgramDrafter:
         limit = min(limit, self.max_draft_tokens)
         if limit <= 0:
             return []
+        state = req.draft_state = req.draft_state or DraftState()
+        if state.skip:
+            state.skip -= 1
+            return []
         tokens = req.token_ids
-        index = self._index(req)
+        index = self._index(state, tokens)
         for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
             if len(tokens) <= n:
                 continue
@@ -57,21 +79,22 @@ class NgramDrafter:
                 return tokens[start : start + limit]
         return []
 
+    def record(self, req: Request, kept: int) -> None:
+        """A verify of the request's drafts kept ``kept`` of them: back off after misses."""
+        state = req.draft_state
+        state.misses = 0 if kept else min(state.misses + 1, 16)
+        state.skip = min(2**state.misses - 1, self.max_skip)
+
     @staticmethod
-    def _index(req: Request) -> dict[tuple[int, ...], int]:
-        """The request's n-grams that end before its last token (within WINDOW of it),
+    def _index(state: DraftState, tokens: list[int]) -> dict[tuple[int, ...], int]:
+        """The n-grams of ``tokens`` that end before its last token (within WINDOW of it),
         each mapped to the position right after its latest occurrence; extended by the
-        tokens added since the last call (kept on the request, which owns nothing else of
-        the drafter's)."""
-        state = req.ngram_index
-        if state is None:
-            state = req.ngram_index = ({}, 0)
-        index, done = state
-        tokens = req.token_ids
+        tokens added since the last call."""
+        index = state.index
         end = len(tokens) - 1  # n-grams ending at positions < end: the suffix itself is not its own match
-        for e in range(max(done, end - WINDOW), end):
+        for e in range(max(state.indexed, end - WINDOW), end):
             for n in range(MIN_NGRAM, MAX_NGRAM + 1):
                 if e + 1 >= n:
                     index[tuple(tokens[e + 1 - n : e + 1])] = e + 1
-        req.ngram_index = (index, max(done, end))
+        state.indexed = max(state.indexed, end)
         return index

@@ -63,9 +63,9 @@ class Request:
         self.sampler_state = None  # owned by the sampler (seeded generator, token-id buffer)
         self.grammar = None  # xgrammar GrammarMatcher (structured output), set on release from hold
         # N-gram speculation (ngram.py): this step's draft tokens (computed after the last
-        # token, one decode row each), the drafter's index, and counts for the response.
+        # token, one decode row each), the drafter's state, and counts for the response.
         self.draft_ids: list[int] = []
-        self.ngram_index = None
+        self.draft_state = None
         self.num_draft_tokens = 0  # drafted over the request's life
         self.num_accepted_drafts = 0  # of them, kept
         # Logprobs (sampling.return_logprob): output rows in step with the output tokens.

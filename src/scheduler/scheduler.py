@@ -418,6 +418,7 @@ class Scheduler:
                 req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
                 kept = appended - 1
                 break
+        self.drafter.record(req, kept)
         req.num_draft_tokens += len(drafts)
         req.num_accepted_drafts += kept
         self.num_draft_tokens += len(drafts)
