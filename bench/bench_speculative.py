@@ -3,9 +3,9 @@ engine, real model): decode tokens/s after the first token.
 
     python bench/bench_speculative.py [--dtype float32] [--tokens 200] [--drafts 3] [--batch 32]
 
-Engines: plain decoding; n-gram drafts without back-off (a request drafts whenever its
-suffix matched before); n-gram with the drafter's back-off (the default: a request whose
-drafts keep failing drafts less often).
+Engines: plain decoding; n-gram drafts "always" (a request drafts whenever its suffix
+matched before); n-gram as the engine runs it (a request whose drafts keep failing backs
+off, and at many rows only requests that keep enough of their drafts draft: ngram.py).
 Workloads, one request at a time: "quote" asks the chat model to repeat a passage of this
 repository's README word for word (text that repeats its context: drafts hit); "chat"
 asks it an open question (little repeats); "random" continues random token ids (the
@@ -90,11 +90,12 @@ def main() -> int:
                 num_threads=args.threads)
     loaded = load_model(EngineConfig(**base))
     engines = {}
-    for name, spec in (("plain", None), ("no back-off", "ngram"), ("ngram", "ngram")):
+    for name, spec in (("plain", None), ("ngram always", "ngram"), ("ngram", "ngram")):
         config = EngineConfig(**base, speculative_algorithm=spec, speculative_num_draft_tokens=args.drafts)
         engines[name] = Engine(config, ModelRunner(config, loaded))
-        if name == "no back-off":
+        if name == "ngram always":
             engines[name].scheduler.drafter.max_skip = 0
+            engines[name].scheduler.drafter.doubling_rows = None
         engines[name].generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_new_tokens=8))  # warm-up
     tokenizer = load_tokenizer(loaded.path)
     runs = {name: [prompt] for name, prompt in workloads(tokenizer).items()}

@@ -54,13 +54,13 @@ def test_drafts_that_keep_failing_back_off_and_a_kept_draft_resets_it():
     assert drafter.propose(req, limit=3) == [3, 1, 2]
     skips = []
     for _ in range(6):  # each verify keeps nothing: 1, 3, 7, 15, then 16 chances passed up
-        drafter.record(req, kept=0)
+        drafter.record(req, drafted=3, kept=0)
         n = 0
         while not drafter.propose(req, limit=3):
             n += 1
         skips.append(n)
     assert skips == [1, 3, 7, 15, 16, 16]
-    drafter.record(req, kept=1)  # one kept draft: drafting every step again
+    drafter.record(req, drafted=3, kept=1)  # one kept draft: drafting every step again
     assert chances_passed_up(drafter, req) == 0
 
 
@@ -69,4 +69,16 @@ def test_no_back_off_when_max_skip_is_zero():
     req = request([1, 2, 3, 1, 2])
     for _ in range(5):
         assert drafter.propose(req, limit=3) == [3, 1, 2]
-        drafter.record(req, kept=0)
+        drafter.record(req, drafted=3, kept=0)
+
+
+def test_at_many_rows_only_requests_that_keep_their_drafts_draft():
+    drafter = NgramDrafter(max_draft_tokens=3, max_skip=0, doubling_rows=32)
+    req = request([1, 2, 3, 1, 2])
+    assert drafter.pays(req, rows=64)  # nothing verified yet: optimistic
+    drafter.propose(req, limit=3)
+    drafter.record(req, drafted=3, kept=1)  # kept share 0.7 + 0.3/3 = 0.8
+    assert drafter.pays(req, rows=64)  # 64 / (64 + 32) = 0.67
+    drafter.record(req, drafted=3, kept=0)  # 0.56
+    assert not drafter.pays(req, rows=64) and drafter.pays(req, rows=32) and drafter.pays(req, rows=1)
+    assert NgramDrafter(max_draft_tokens=3).pays(req, rows=256)  # no cost model: always

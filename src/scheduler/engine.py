@@ -21,6 +21,11 @@ from .scheduler import AdmissionError, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
+# Speculation's cost model on a CPU (NgramDrafter.pays): a decode step of SmolLM2 on 2 cores
+# costs about fixed + rows x per-row with fixed ~ 32 x per-row in fp32 (at 32 rows 81.6 ms,
+# +1.25 ms a row) and in bf16. Accelerators: unmeasured, drafts are not gated.
+CPU_DOUBLING_ROWS = 32
+
 
 @dataclass
 class Completion:
@@ -51,6 +56,7 @@ class Engine:
                 long_prefill_token_threshold=budget // 2 if threshold is None else threshold,
                 max_draft_tokens=config.speculative_num_draft_tokens if config.speculative_algorithm else 0,
                 max_speculative_rows=self.runner.graphs.sizes[-1] if self.runner.graphs else None,
+                speculative_doubling_rows=CPU_DOUBLING_ROWS if self.runner.device.type == "cpu" else None,
             ),
             self.kv,
             eos,

@@ -39,12 +39,24 @@ class DraftState:
     indexed: int = 0  # the n-grams ending before this position are in the index
     misses: int = 0  # verifies in a row with no draft kept
     skip: int = 0  # chances to draft left to pass up (back-off)
+    kept_share: float = 1.0  # moving average of the share of drafts kept per verify
 
 
 class NgramDrafter:
-    def __init__(self, max_draft_tokens: int, max_skip: int = MAX_SKIP):
+    def __init__(self, max_draft_tokens: int, max_skip: int = MAX_SKIP, doubling_rows: int | None = None):
         self.max_draft_tokens = max_draft_tokens
         self.max_skip = max_skip  # 0: no back-off
+        # decode rows at which a step's per-row cost equals its fixed cost (None: rows are free)
+        self.doubling_rows = doubling_rows
+
+    def pays(self, req: Request, rows: int) -> bool:
+        """Whether the request's drafts are worth their rows in a step of ``rows`` decode
+        rows. With a step costing fixed + rows x per-row, a draft is worth its row when it
+        is kept at least rows / (rows + doubling_rows) of the time: nearly always at a few
+        rows (memory-bound steps), half the time where the rows cost as much as the rest."""
+        if self.doubling_rows is None or req.draft_state is None:
+            return True
+        return req.draft_state.kept_share >= rows / (rows + self.doubling_rows)
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -79,9 +91,10 @@ class NgramDrafter:
                 return tokens[start : start + limit]
         return []
 
-    def record(self, req: Request, kept: int) -> None:
-        """A verify of the request's drafts kept ``kept`` of them: back off after misses."""
+    def record(self, req: Request, drafted: int, kept: int) -> None:
+        """A verify of the request's ``drafted`` drafts kept ``kept`` of them: back off after misses."""
         state = req.draft_state
+        state.kept_share = 0.7 * state.kept_share + 0.3 * kept / drafted
         state.misses = 0 if kept else min(state.misses + 1, 16)
         state.skip = min(2**state.misses - 1, self.max_skip)
 

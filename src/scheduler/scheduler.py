@@ -89,6 +89,9 @@ class SchedulerConfig:
     # most decode rows (one per decode, one per draft) a step may have with drafts: the
     # largest CUDA graph, beyond which a step would run eagerly; None: no limit
     max_speculative_rows: int | None = None
+    # decode rows at which a step's per-row cost equals its fixed cost: past a few rows, a
+    # request drafts only while it keeps enough of its drafts (NgramDrafter.pays); None: always
+    speculative_doubling_rows: int | None = None
 
 
 class Scheduler:
@@ -100,7 +103,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.held: dict[str, Request] = {}  # admitted, not schedulable yet (grammar compiling)
         self.requests: dict[str, Request] = {}
-        self.drafter = NgramDrafter(config.max_draft_tokens) if config.max_draft_tokens else None
+        self.drafter = (NgramDrafter(config.max_draft_tokens, doubling_rows=config.speculative_doubling_rows)
+                        if config.max_draft_tokens else None)
         self.num_draft_tokens = 0  # drafts verified, and of them kept (speculation's acceptance)
         self.num_accepted_drafts = 0
         self.finished: list[Request] = []  # finished since the last drain (aborts included)
@@ -264,7 +268,7 @@ class Scheduler:
         step's other work left (drafts never delay a prefill), each as far as a match goes,
         the decode rows stay within ``max_speculative_rows`` and the pool keeps a block for
         every running request's next token (a draft must not cost a preemption)."""
-        rows = sum(1 for _, n in scheduled if n == 1)
+        rows = decodes = sum(1 for _, n in scheduled if n == 1)
         row_cap = self.config.max_speculative_rows
         bs = self.kv.block_size
         for i, (req, n) in enumerate(scheduled):
@@ -272,6 +276,8 @@ class Scheduler:
             if room < 1:
                 return
             if n != 1 or req.num_computed_tokens != req.num_tokens - 1 or not self.drafter.eligible(req):
+                continue
+            if not self.drafter.pays(req, decodes):
                 continue
             spare_blocks = len(req.block_ids) + self.kv.pool.num_free_blocks - len(self.running)
             limit = min(room, req.max_new_tokens - req.num_output_tokens - 1,
@@ -418,7 +424,7 @@ class Scheduler:
                 req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
                 kept = appended - 1
                 break
-        self.drafter.record(req, kept)
+        self.drafter.record(req, len(drafts), kept)
         req.num_draft_tokens += len(drafts)
         req.num_accepted_drafts += kept
         self.num_draft_tokens += len(drafts)
