@@ -60,8 +60,8 @@ typedef v8 vw;
 /* NR (BLOCK, or 1 for the tail) weight rows from row n, against MG rows of x from row m0;
  * x widened to fp32 in `xf` [M, K]. */
 static inline __attribute__((always_inline)) void rows_fp32(const float *xf, const elem_t *w, const elem_t *bias,
-                                                            elem_t *out, int M, int N, int K, int n, const int NR,
-                                                            int m0, int MG) {
+                                                            elem_t *out, int N, int K, int n, const int NR, int m0,
+                                                            int MG) {
     const elem_t *rows = w + (int64_t)n * K;
     vw acc[GROUP][BLOCK] = {{{0}}};
     for (int k = 0; k < K; k += 32) {
@@ -88,8 +88,8 @@ static inline __attribute__((always_inline)) void rows_fp32(const float *xf, con
  * exactly and adds them in fp32, straight from the stored weights and x; widening each
  * weight to fp32 first left the loop short of the memory's pace. */
 static inline __attribute__((always_inline)) void rows_dpbf16(const elem_t *x, const elem_t *w, const elem_t *bias,
-                                                              elem_t *out, int M, int N, int K, int n, const int NR,
-                                                              int m0, int MG) {
+                                                              elem_t *out, int N, int K, int n, const int NR, int m0,
+                                                              int MG) {
     const elem_t *rows = w + (int64_t)n * K;
     __m512 acc[GROUP][BLOCK];
     for (int m = 0; m < MG; m++)
@@ -120,9 +120,9 @@ static inline __attribute__((always_inline)) void rows(const void *xs, const ele
     for (int m0 = 0; m0 < M; m0 += GROUP) {
         const int MG = M - m0 < GROUP ? M - m0 : GROUP;
 #ifdef DPBF16
-        rows_dpbf16((const elem_t *)xs, w, bias, out, M, N, K, n, NR, m0, MG);
+        rows_dpbf16((const elem_t *)xs, w, bias, out, N, K, n, NR, m0, MG);
 #else
-        rows_fp32((const float *)xs, w, bias, out, M, N, K, n, NR, m0, MG);
+        rows_fp32((const float *)xs, w, bias, out, N, K, n, NR, m0, MG);
 #endif
     }
 }
