@@ -133,3 +133,17 @@ def test_speculation_refuses_a_forced_overlap_schedule(loaded):
     config = EngineConfig(device="cpu", kv_cache_tokens=1024, speculative_algorithm="eagle")
     with pytest.raises(ValueError, match="'eagle' is not supported"):
         Engine(config, ModelRunner(config, loaded))
+
+
+def test_drafts_only_where_the_cost_model_says_they_pay(loaded, monkeypatch):
+    from scheduler.engine import CPU_DOUBLING_ROWS
+
+    prompts = [repeated(0), repeated(1)]
+    expected = [c.output_ids for c in make_engine(loaded, spec=False).generate(prompts, greedy(16))]
+    spec = make_engine(loaded, spec=True)
+    assert spec.scheduler.drafter.doubling_rows == CPU_DOUBLING_ROWS
+    asked = []  # the decode rows of each step a request would have drafted in
+    monkeypatch.setattr(spec.scheduler.drafter, "pays", lambda req, rows: asked.append(rows) and False)
+    assert [c.output_ids for c in spec.generate(prompts, greedy(16))] == expected
+    assert spec.scheduler.num_draft_tokens == 0 and asked and set(asked) <= {1, 2}
+    assert_no_leak(spec)
