@@ -4,8 +4,8 @@ engine, real model): decode tokens/s after the first token.
     python bench/bench_speculative.py [--dtype float32] [--tokens 200] [--drafts 3] [--batch 32]
 
 Engines: plain decoding; n-gram drafts "always" (a request drafts whenever its suffix
-matched before); n-gram as the engine runs it (a request whose drafts keep failing backs
-off, and at many rows only requests that keep enough of their drafts draft: ngram.py).
+matched before); n-gram as the engine runs it (at many rows, only requests that keep
+enough of their drafts draft: NgramDrafter.pays).
 Workloads, one request at a time: "quote" asks the chat model to repeat a passage of this
 repository's README word for word (text that repeats its context: drafts hit); "chat"
 asks it an open question (little repeats); "random" continues random token ids (the
@@ -94,7 +94,6 @@ def main() -> int:
         config = EngineConfig(**base, speculative_algorithm=spec, speculative_num_draft_tokens=args.drafts)
         engines[name] = Engine(config, ModelRunner(config, loaded))
         if name == "ngram always":
-            engines[name].scheduler.drafter.max_skip = 0
             engines[name].scheduler.drafter.doubling_rows = None
         engines[name].generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_new_tokens=8))  # warm-up
     tokenizer = load_tokenizer(loaded.path)

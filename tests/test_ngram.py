@@ -43,37 +43,8 @@ def test_who_may_speculate():
     assert not NgramDrafter.eligible(request([1, 2], min_new_tokens=4))
 
 
-def chances_passed_up(drafter, req, tries=40):
-    """How many of ``tries`` proposals in a row come back empty (the suffix matches)."""
-    return sum(not drafter.propose(req, limit=3) for _ in range(tries))
-
-
-def test_drafts_that_keep_failing_back_off_and_a_kept_draft_resets_it():
-    drafter = NgramDrafter(max_draft_tokens=3, max_skip=16)
-    req = request([1, 2, 3, 1, 2])  # [1, 2] matched: drafts [3, 1, 2] on every chance
-    assert drafter.propose(req, limit=3) == [3, 1, 2]
-    skips = []
-    for _ in range(6):  # each verify keeps nothing: 1, 3, 7, 15, then 16 chances passed up
-        drafter.record(req, drafted=3, kept=0)
-        n = 0
-        while not drafter.propose(req, limit=3):
-            n += 1
-        skips.append(n)
-    assert skips == [1, 3, 7, 15, 16, 16]
-    drafter.record(req, drafted=3, kept=1)  # one kept draft: drafting every step again
-    assert chances_passed_up(drafter, req) == 0
-
-
-def test_no_back_off_when_max_skip_is_zero():
-    drafter = NgramDrafter(max_draft_tokens=3, max_skip=0)
-    req = request([1, 2, 3, 1, 2])
-    for _ in range(5):
-        assert drafter.propose(req, limit=3) == [3, 1, 2]
-        drafter.record(req, drafted=3, kept=0)
-
-
 def test_at_many_rows_only_requests_that_keep_their_drafts_draft():
-    drafter = NgramDrafter(max_draft_tokens=3, max_skip=0, doubling_rows=32)
+    drafter = NgramDrafter(max_draft_tokens=3, doubling_rows=32)
     req = request([1, 2, 3, 1, 2])
     assert drafter.pays(req, rows=64)  # nothing verified yet: optimistic
     drafter.propose(req, limit=3)

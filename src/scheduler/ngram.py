@@ -24,11 +24,9 @@ MIN_NGRAM = 2  # a single repeated token is too weak a hint: its drafts would mo
 # Only the n-grams of the last this-many tokens (of a long prompt) are indexed: the first
 # decode step of a 32k-token prompt would otherwise spend ~90 ms building its index.
 WINDOW = 4096
-# Back-off: after k verifies in a row with no draft kept, a request skips its next
-# min(2**k - 1, MAX_SKIP) chances to draft. Open text repeats little of its context, and
-# its rejected drafts are rows every step pays for (at large batches, real compute); one
-# kept draft resets it, so text that quotes its context keeps drafting every step.
-MAX_SKIP = 16
+# Each verify's share of drafts kept moves a request's average this far (the last few
+# verifies weigh most: a request can start or stop quoting its context).
+KEPT_SHARE_WEIGHT = 0.3
 
 
 @dataclass
@@ -37,15 +35,12 @@ class DraftState:
 
     index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> position after it
     indexed: int = 0  # the n-grams ending before this position are in the index
-    misses: int = 0  # verifies in a row with no draft kept
-    skip: int = 0  # chances to draft left to pass up (back-off)
     kept_share: float = 1.0  # moving average of the share of drafts kept per verify
 
 
 class NgramDrafter:
-    def __init__(self, max_draft_tokens: int, max_skip: int = MAX_SKIP, doubling_rows: int | None = None):
+    def __init__(self, max_draft_tokens: int, doubling_rows: int | None = None):
         self.max_draft_tokens = max_draft_tokens
-        self.max_skip = max_skip  # 0: no back-off
         # decode rows at which a step's per-row cost equals its fixed cost (None: rows are free)
         self.doubling_rows = doubling_rows
 
@@ -78,9 +73,6 @@ class NgramDrafter:
         if limit <= 0:
             return []
         state = req.draft_state = req.draft_state or DraftState()
-        if state.skip:
-            state.skip -= 1
-            return []
         tokens = req.token_ids
         index = self._index(state, tokens)
         for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
@@ -92,11 +84,9 @@ class NgramDrafter:
         return []
 
     def record(self, req: Request, drafted: int, kept: int) -> None:
-        """A verify of the request's ``drafted`` drafts kept ``kept`` of them: back off after misses."""
+        """A verify of the request's ``drafted`` drafts kept ``kept`` of them (for :meth:`pays`)."""
         state = req.draft_state
-        state.kept_share = 0.7 * state.kept_share + 0.3 * kept / drafted
-        state.misses = 0 if kept else min(state.misses + 1, 16)
-        state.skip = min(2**state.misses - 1, self.max_skip)
+        state.kept_share += KEPT_SHARE_WEIGHT * (kept / drafted - state.kept_share)
 
     @staticmethod
     def _index(state: DraftState, tokens: list[int]) -> dict[tuple[int, ...], int]:
