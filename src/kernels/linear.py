@@ -12,8 +12,9 @@ explained (2-core EPYC, SmolLM2 shapes, in-process A/B):
   four rows 14.5 (torch 22.3) and 22.9 (torch 34.9). Past four rows the kernel takes the
   rows of x four at a time against each block of weights (read from memory once, then from
   L1), so in fp32 it stays ahead of torch up to ~24 rows with AVX-512: whole decode steps
-  at 5 rows 55.8 -> 33.0 ms, 8 rows 58.7 -> 37.0, 16 rows 65.2 -> 53.6, 24 74.7 -> 69.6, a
-  wash at 32 (``cpu_kernels.FEW_ROWS_MAX``). In bf16, torch's GEMM (AMX) wins from 6 rows.
+  (2-core Xeon) at 5 rows 55.8 -> 33.0 ms, 8 rows 58.7 -> 37.0, 16 rows 65.2 -> 53.6, 24
+  74.7 -> 69.6, a wash at 32 (``cpu_kernels.FEW_ROWS_MAX``). In bf16, torch's GEMM (AMX)
+  wins from 6 rows.
 
 * Short batches: ``weight @ x.T`` (made contiguous afterwards) beats ``F.linear`` on a few
   dozen rows: the layer projections at 16 rows 10-25% faster, a whole decode step at 64
