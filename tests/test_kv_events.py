@@ -166,10 +166,38 @@ def scenario_fan_out():
         for h in (1, 2, 3):
             hub.publish(one_block_batch(h))
             while not fast.queue.empty():
-                got.append(fast.queue.get_nowait().sequence_number)
+                got.append(fast.queue.get_nowait()[0].sequence_number)
         assert got == [1, 2, 3], got
         assert slow.overflowed and slow not in hub.subscribers
         assert not fast.overflowed and fast in hub.subscribers
+
+    asyncio.run(main())
+
+
+def chain_batch(first_hash, blocks):
+    """One step that stored ``blocks`` chained blocks."""
+    hashes = range(first_hash, first_hash + blocks)
+    return KvEvents([stored(h, h - 1 if h > first_hash else None) for h in hashes], time.time())
+
+
+def scenario_block_budget():
+    from servicer.kv_events import KvEventHub
+
+    async def main():
+        hub = KvEventHub(history_blocks=10)
+        reader, _ = hub.subscribe(0)  # drains as it goes
+        lagging, _ = hub.subscribe(0)  # never reads
+        for i, size in enumerate((4, 4, 4, 1)):  # 13 blocks: the first batch no longer fits
+            hub.publish(chain_batch(1000 * (i + 1), size))
+            assert (await reader.next(1)).sequence_number == i + 1
+        assert [b.sequence_number for b, _ in hub.history] == [2, 3, 4]
+        # The lagging subscriber held 4 + 4 queued blocks; the third batch of 4 overflowed it.
+        assert lagging.overflowed and lagging not in hub.subscribers
+        assert not reader.overflowed and reader in hub.subscribers and reader.queued_blocks == 0
+        # A batch larger than the whole budget is still kept (alone) and still delivered.
+        hub.publish(chain_batch(9000, 25))
+        assert [b.sequence_number for b, _ in hub.history] == [5]
+        assert len((await reader.next(1)).events[0].stored.blocks) == 25
 
     asyncio.run(main())
 
@@ -226,7 +254,7 @@ def scenario_expired_cursor():
         for h in range(1, 11):
             client.kv_event_listener(one_block_batch(h * 100))
         assert [(await next_real(live)).sequence_number for _ in range(10)] == list(range(1, 11))
-        assert [b.sequence_number for b in hub.history] == [7, 8, 9, 10]
+        assert [b.sequence_number for b, _ in hub.history] == [7, 8, 9, 10]
         call = await subscribe(stub, hub, spb, start=6)  # oldest kept is 7: still complete
         assert [(await next_real(call)).sequence_number for _ in range(4)] == [7, 8, 9, 10]
         call.cancel()
@@ -335,6 +363,10 @@ def test_hub_fans_out_and_drops_only_the_slow_subscriber():
 
 def test_sequence_numbers_replay_and_cursor_rules():
     isolated("replay")
+
+
+def test_history_and_subscriber_lag_are_bounded_in_blocks():
+    isolated("block_budget")
 
 
 def test_expired_cursor_is_out_of_range():

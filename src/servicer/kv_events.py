@@ -3,9 +3,9 @@
 
 The scheduler process sends one ``KvEvents`` message per step (or flush) that changed
 the prefix cache. :class:`KvEventHub` numbers them 1, 2, 3, ... as proto batches, keeps
-the last ``HISTORY_BATCHES`` for replay, and fans each one out to every subscriber's own
-bounded queue (a subscriber that falls that far behind is dropped with DATA_LOSS; the
-others never wait for it).
+the last ``HISTORY_BATCHES`` (at most ``HISTORY_BLOCKS`` blocks in all) for replay, and
+fans each one out to every subscriber's own bounded queue (a subscriber that falls that
+far behind is dropped with DATA_LOSS; the others never wait for it).
 
 A stream (:meth:`KvEventHub.stream`):
 
@@ -38,8 +38,12 @@ from .generated import common_pb2
 
 logger = logging.getLogger(__name__)
 
-HISTORY_BATCHES = 1024  # batches kept for replay
-SUBSCRIBER_QUEUE = 1024  # batches a subscriber may lag behind before it is dropped
+HISTORY_BATCHES = 1024  # batches kept for replay ...
+# ... and at most this many blocks in them (stored blocks and removed hashes): a stored
+# block is ~220 bytes (~14 MB in all), and a prefill step at the GPU's 8192-token budget
+# publishes 512 of them (1024 such steps held ~115 MB).
+HISTORY_BLOCKS = 65536
+SUBSCRIBER_QUEUE = 1024  # batches (or HISTORY_BLOCKS blocks) a subscriber may lag behind before it is dropped
 LOAD_CHECK_S = 0.1  # how often an idle stream looks for a load change
 HEARTBEAT_S = 1.0  # load_only heartbeat after this much silence ...
 SLOW_HEARTBEAT_S = 5.0  # ... or this much after two unchanged heartbeats
@@ -84,12 +88,40 @@ def to_proto_events(events: list, event_ids) -> list[common_pb2.KvCacheEvent]:
     return out
 
 
+def batch_blocks(batch: common_pb2.KvEventBatch) -> int:
+    """A batch's size for the history's budget: its stored blocks and removed hashes (>= 1)."""
+    return max(1, sum(len(e.stored.blocks) + len(e.removed.block_hashes) for e in batch.events))
+
+
 class _Subscriber:
-    __slots__ = ("queue", "overflowed")
+    __slots__ = ("queue", "overflowed", "queued_blocks")
 
     def __init__(self, maxsize: int):
         self.queue: asyncio.Queue = asyncio.Queue(maxsize)
         self.overflowed = False
+        self.queued_blocks = 0
+
+    def offer(self, batch: common_pb2.KvEventBatch, blocks: int, max_blocks: int) -> bool:
+        """Queue a batch; False (and overflowed) when it lags too far behind to take it."""
+        if self.queued_blocks + blocks > max_blocks and not self.queue.empty():
+            self.overflowed = True
+            return False
+        try:
+            self.queue.put_nowait((batch, blocks))
+        except asyncio.QueueFull:
+            self.overflowed = True
+            return False
+        self.queued_blocks += blocks
+        return True
+
+    async def next(self, timeout: float) -> common_pb2.KvEventBatch | None:
+        """The next queued batch, or None after ``timeout`` seconds without one."""
+        try:
+            batch, blocks = await asyncio.wait_for(self.queue.get(), timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            return None
+        self.queued_blocks -= blocks
+        return batch
 
 
 class _LoadRecords:
@@ -142,8 +174,12 @@ class _LoadRecords:
 
 
 class KvEventHub:
-    def __init__(self, history: int = HISTORY_BATCHES, queue_size: int = SUBSCRIBER_QUEUE):
-        self.history: deque[common_pb2.KvEventBatch] = deque(maxlen=history)
+    def __init__(self, history: int = HISTORY_BATCHES, queue_size: int = SUBSCRIBER_QUEUE,
+                 history_blocks: int = HISTORY_BLOCKS):
+        self.history: deque[tuple[common_pb2.KvEventBatch, int]] = deque()  # (batch, batch_blocks)
+        self.history_batches = history
+        self.history_blocks = history_blocks
+        self._kept_blocks = 0  # sum of the history's batch_blocks
         self.queue_size = queue_size
         self.last_seq = 0
         # The highest batch number streamed to any subscriber: a cursor above it cannot come
@@ -159,12 +195,16 @@ class KvEventHub:
             return None
         self.last_seq += 1
         batch = common_pb2.KvEventBatch(sequence_number=self.last_seq, timestamp=msg.timestamp, events=events)
-        self.history.append(batch)
+        blocks = batch_blocks(batch)
+        self.history.append((batch, blocks))
+        self._kept_blocks += blocks
+        # The newest batch stays whatever its size: a cursor just behind it can resume.
+        while len(self.history) > self.history_batches or (
+            len(self.history) > 1 and self._kept_blocks > self.history_blocks
+        ):
+            self._kept_blocks -= self.history.popleft()[1]
         for sub in list(self.subscribers):
-            try:
-                sub.queue.put_nowait(batch)
-            except asyncio.QueueFull:
-                sub.overflowed = True
+            if not sub.offer(batch, blocks, self.history_blocks):
                 self.subscribers.discard(sub)
         return batch
 
@@ -178,12 +218,12 @@ class KvEventHub:
                     f"cursor {start} is beyond the last KV event batch this server run sent ({self.sent_seq}; "
                     "the server restarted?); resubscribe from 0"
                 )
-            oldest = self.history[0].sequence_number if self.history else self.last_seq + 1
+            oldest = self.history[0][0].sequence_number if self.history else self.last_seq + 1
             if start < oldest - 1:
                 raise CursorOutOfRange(
                     f"cursor {start} is older than the replay history (oldest batch {oldest}); resubscribe from 0"
                 )
-            replay = [b for b in self.history if b.sequence_number > start]
+            replay = [b for b, _ in self.history if b.sequence_number > start]
         sub = _Subscriber(self.queue_size)
         self.subscribers.add(sub)
         return sub, replay
@@ -222,14 +262,12 @@ class KvEventHub:
                 if sub.overflowed:
                     await context.abort(
                         grpc.StatusCode.DATA_LOSS,
-                        f"subscriber fell more than {self.queue_size} KV event batches behind; resubscribe",
+                        f"subscriber fell more than {self.queue_size} KV event batches "
+                        f"or {self.history_blocks} blocks behind; resubscribe",
                     )
                 if client.died.is_set():
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {client.dead_reason}")
-                try:
-                    batch = await asyncio.wait_for(sub.queue.get(), LOAD_CHECK_S)
-                except (TimeoutError, asyncio.TimeoutError):
-                    batch = None
+                batch = await sub.next(LOAD_CHECK_S)
                 now = time.monotonic()
                 if batch is not None:
                     if sub.overflowed:
