@@ -15,6 +15,10 @@ In one process run, side by side:
 
     python bench/bench_n256.py [--json out.json] [--skip hf] [--hf-batch 64] [--hf-time-limit 240]
 
+``--smoke`` runs every part on the CPU with a 2-layer model of the same family and a few
+short requests: numbers that mean nothing, but a check (tests/test_bench_n256.py) that
+the script a lent GPU session depends on still runs against the engine as it is now.
+
 Needs torch, triton, transformers and msgspec (see bench/gpu.sh for a bare machine).
 """
 
@@ -48,19 +52,41 @@ QWEN3_0_6B = dict(
 )
 
 
+# --smoke: the same family, small enough for a CPU (vocab still above N256's ids)
+SMOKE_CONFIG = dict(QWEN3_0_6B, vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=1, eos_token_id=2)
+SMOKE_REQUESTS, SMOKE_PROMPT, SMOKE_OUTPUT = 6, 40, 12
+DEVICE = "cuda"  # "cpu" under --smoke
+SMOKE = False
+
+
 def n256_workload() -> tuple[list[list[int]], list[int]]:
     random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
     max_tokens = [random.randint(100, 1024) for _ in range(256)]
+    if SMOKE:
+        return [p[:SMOKE_PROMPT] for p in prompts[:SMOKE_REQUESTS]], [m % SMOKE_OUTPUT + 1 for m in max_tokens[:SMOKE_REQUESTS]]
     return prompts, max_tokens
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy rate, bytes read + written per second (median of 20)."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    if SMOKE:
+        nbytes = 1 << 20
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEVICE).normal_()
     dst = torch.empty_like(src)
     times = []
     for _ in range(23):
+        if DEVICE != "cuda":
+            t = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t)
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         dst.copy_(src)
@@ -82,25 +108,26 @@ def triton_variants() -> int:
 def release_gpu_memory() -> None:
     """Hand a finished engine's KV cache back, so the next one can ask for as much."""
     gc.collect()
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
 
 
 def build_models():
     import transformers
 
-    hf_config = transformers.Qwen3Config(**QWEN3_0_6B)
+    hf_config = transformers.Qwen3Config(**(SMOKE_CONFIG if SMOKE else QWEN3_0_6B))
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
     config = ModelConfig.from_hf_dict(hf_config.to_dict())
     ours = build_model(config, dtype=torch.bfloat16)
     ours.load_weights(dict(hf.state_dict()))  # shares the tensors it does not fuse
-    return hf, LoadedModel("random-qwen3-0.6b", config, ours.cuda().eval())
+    return hf, LoadedModel("random-qwen3-0.6b", config, ours.to(DEVICE).eval())
 
 
 def run_engine(loaded: LoadedModel, args, overlap: bool = True, batched_tokens: int | None = None) -> dict:
     config = EngineConfig(
-        model="random-qwen3-0.6b", device="cuda", dtype="bfloat16", max_running_requests=args.max_running,
+        model="random-qwen3-0.6b", device=DEVICE, dtype="bfloat16", max_running_requests=args.max_running,
         max_num_batched_tokens=batched_tokens or args.batched_tokens, kv_cache_memory=args.kv_memory, max_model_len=4096,
         cuda_graph=not args.eager, overlap_schedule=overlap, small_batch_gemv=args.small_batch_gemv,
     )
@@ -111,7 +138,7 @@ def run_engine(loaded: LoadedModel, args, overlap: bool = True, batched_tokens: 
     prompts, max_tokens = n256_workload()
     engine.generate([prompts[0][:100]], SamplingParams(max_new_tokens=16, temperature=0.6, ignore_eos=True))
     params = [SamplingParams(max_new_tokens=m, temperature=0.6, ignore_eos=True) for m in max_tokens]
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     done = engine.generate(prompts, params)
     wall = time.perf_counter() - t0
@@ -142,14 +169,17 @@ def run_batch1(loaded: LoadedModel, args, small_batch_gemv: bool = False, pdl: b
     the fused small-batch projections (kernels/triton_gemv.py) instead of cuBLAS + norms;
     ``pdl``: their kernels launched as programmatic dependents."""
     config = EngineConfig(
-        model="random-qwen3-0.6b", device="cuda", dtype="bfloat16", max_running_requests=16,
-        kv_cache_memory="2GiB", max_model_len=4096, cuda_graph=not args.eager, small_batch_gemv=small_batch_gemv,
+        model="random-qwen3-0.6b", device=DEVICE, dtype="bfloat16", max_running_requests=16,
+        kv_cache_memory=args.kv_memory if SMOKE else "2GiB", max_model_len=4096, cuda_graph=not args.eager,
+        small_batch_gemv=small_batch_gemv,
         pdl=pdl,
     )
     engine = Engine(config, ModelRunner(config, loaded))  # (sets the shared model's kernel switches)
     prompts, _ = n256_workload()
     engine.generate([prompts[0][:100]], SamplingParams(max_new_tokens=16, temperature=0.6, ignore_eos=True))
-    one = engine.generate([prompts[1][:512]], SamplingParams(max_new_tokens=257, temperature=0.6, ignore_eos=True))[0]
+    prompt_len, steps = (SMOKE_PROMPT, SMOKE_OUTPUT) if SMOKE else (512, 256)
+    one = engine.generate([prompts[1][:prompt_len]],
+                          SamplingParams(max_new_tokens=steps + 1, temperature=0.6, ignore_eos=True))[0]
     gaps = [b - a for a, b in zip(one.token_times[1:], one.token_times[2:])]
     batch1 = {"engine_step_ms": 1e3 * statistics.median(gaps)}
     runner = engine.runner
@@ -177,20 +207,20 @@ def run_hf(hf, args) -> dict:
     hf.generation_config.pad_token_id = 0
     bsz = args.hf_batch
     # warm-up
-    hf.generate(torch.tensor([prompts[0][:100]], device="cuda"), max_new_tokens=8, min_new_tokens=8,
+    hf.generate(torch.tensor([prompts[0][:100]], device=DEVICE), max_new_tokens=8, min_new_tokens=8,
                 do_sample=True, temperature=0.6, top_k=0, top_p=1.0)
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     counted, batches = 0, 0
     for start in range(0, len(prompts), bsz):
         ps, outs = prompts[start : start + bsz], max_tokens[start : start + bsz]
         width = max(len(p) for p in ps)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps], device="cuda")
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device="cuda")
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps], device=DEVICE)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=DEVICE)
         n = max(outs)
         hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=True,
                     temperature=0.6, top_k=0, top_p=1.0)
-        torch.cuda.synchronize()
+        sync()
         counted += sum(outs)
         batches += 1
         if time.perf_counter() - t0 > args.hf_time_limit:
@@ -216,9 +246,15 @@ def main() -> None:
     ap.add_argument("--skip-plain", action="store_true", help="do not also run N256 without the overlap schedule")
     ap.add_argument("--also-batched-tokens", type=int, nargs="*", default=[],
                     help="also run N256 with these step token budgets (fewer, larger prefill steps)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a quick CPU run of every part with a tiny model (checks the script, measures nothing)")
     args = ap.parse_args()
+    if args.smoke:
+        global DEVICE, SMOKE
+        DEVICE, SMOKE = "cpu", True
+        args.kv_memory = "64MiB"
 
-    gpu = torch.cuda.get_device_name()
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else f"{DEVICE} (--smoke: not a measurement)"
     bw = copy_bandwidth()
     hf, loaded = build_models()
     n256 = run_engine(loaded, args)
