@@ -1,12 +1,15 @@
 """kernels.linear: the CPU forms (native for a few rows, transposed for short batches,
-column-blocked for wide outputs) equal F.linear."""
+column-blocked for wide outputs, packed weights for decode batches) equal F.linear."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_kernels
-from kernels.linear import COLUMN_BLOCK, TRANSPOSED_MAX_ROWS, WIDE_MIN_COLUMNS, linear
+from kernels.linear import (
+    COLUMN_BLOCK, PACKED_MAX_ROWS, TRANSPOSED_MAX_ROWS, WIDE_MIN_COLUMNS, can_pack, few_rows_max, linear,
+    pack_weight,
+)
 
 
 @pytest.mark.parametrize("rows", [1, 7, TRANSPOSED_MAX_ROWS, TRANSPOSED_MAX_ROWS + 1, 300])
@@ -54,3 +57,37 @@ def test_few_rows_linear_declines_what_it_does_not_read():
     assert cpu_kernels.few_rows_linear(x, w, torch.randn(7)) is None  # a bias that is not one per output
     assert cpu_kernels.few_rows_linear(x, w.view(2, 4, 64)) is None
     assert linear(torch.randn(2, 40), torch.randn(8, 40)).shape == (2, 8)  # linear falls back to torch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 40, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1])  # few-row kernel, packed, unpacked
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("column_major_x", [False, True])  # what linear(row_major=False) hands on
+def test_packed_weight_matches_f_linear(dtype, rows, with_bias, column_major_x):
+    if not can_pack(dtype):
+        pytest.skip(f"no packed GEMM for {dtype} in this torch build")
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    if column_major_x:
+        x = x.t().contiguous().t()
+    w = torch.randn(960, 576, generator=g).to(dtype)
+    b = torch.randn(960, generator=g).to(dtype) if with_bias else None
+    out = linear(x, w, b, packed=pack_weight(w))
+    assert out.shape == (rows, 960) and out.dtype == dtype
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    tol = dict(rtol=1e-5, atol=1e-3) if dtype == torch.float32 else dict(rtol=1e-2, atol=0.3)  # bf16: one rounding
+    torch.testing.assert_close(out.float(), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_linear_takes_the_packed_weight_only_between_few_rows_and_prefill(dtype):
+    if not can_pack(dtype):
+        pytest.skip(f"no packed GEMM for {dtype} in this torch build")
+    w = torch.randn(160, 96).to(dtype)
+    marked = pack_weight(2 * w)  # a packed weight that gives itself away
+    few = few_rows_max(dtype, packed=True)
+    for rows in (1, few, few + 1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):
+        x = torch.randn(rows, 96).to(dtype)
+        ratio = (linear(x, w, packed=marked).float().norm() / F.linear(x, w).float().norm()).item()
+        used = few < rows <= PACKED_MAX_ROWS
+        assert ratio == pytest.approx(2.0 if used else 1.0, rel=0.02), rows

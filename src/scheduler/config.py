@@ -31,6 +31,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # their kernels launch as programmatic dependents (CUDA sm_90+; needs small_batch_gemv):
     # each pulls its weights into L2 while the previous kernel finishes; off until measured
     pdl: bool = False
+    # CPU: keep a packed copy of the projections for batches of a few dozen rows (faster,
+    # the weights' memory again); None: when that copy fits in a quarter of the free memory
+    cpu_packed_weights: bool | None = None
     # launch each step before taking the previous step's tokens; None: on accelerators only
     overlap_schedule: bool | None = None
     # speculative decoding: "ngram" (prompt lookup, scheduler/ngram.py) or None; each step a

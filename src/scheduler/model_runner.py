@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata, build_varlen
+from kernels.linear import can_pack
 from kernels.triton_attention import decode_splits, triton_available
 from kernels.util import cdiv
 
@@ -38,6 +39,7 @@ CPU_DEFAULT_KV_BYTES = 2 * 2**30
 # keeps running decodes moving while long prompts prefill (GEMMs are already efficient
 # at a few hundred rows); accelerators want bigger steps.
 DEFAULT_BATCHED_TOKENS = {"cpu": 512}
+PACKED_WEIGHTS_MAX_SHARE = 0.25  # of the memory available after the KV cache (see _pack_cpu_weights)
 ACCELERATOR_BATCHED_TOKENS = 8192
 # Requests decoded together: a CPU step grows with every row; an accelerator's barely does
 # until far more rows (vLLM's default is 256 too; SGLang sizes it from the KV cache).
@@ -134,6 +136,8 @@ class ModelRunner:
             logger.warning("the KV cache holds %d tokens, less than the %d-token context: longer requests "
                            "will be refused (raise %s or lower --max-model-len)", capacity, self.max_model_len, flag)
         self._allocate_kv_cache()
+        if self.device.type == "cpu":
+            self._pack_cpu_weights()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.upload, self.download = HostToDevice(self.device), DeviceToHost(self.device)
@@ -159,6 +163,28 @@ class ModelRunner:
         if self.dtype == torch.bfloat16 and not cpu_has_bf16():
             logger.warning("this CPU has no bf16 instructions: torch emulates them, and bfloat16 runs "
                            "slower than float32 here")
+
+    def _pack_cpu_weights(self) -> None:
+        """A packed copy of the projections speeds up CPU batches of a few dozen rows
+        (kernels/linear.py) at the cost of the weights' memory again: taken when that copy
+        is at most ``PACKED_WEIGHTS_MAX_SHARE`` of the memory still available."""
+        if not hasattr(self.model, "pack_cpu_weights"):
+            return
+        packed = self.model.packed_lm_head is not None  # by an earlier runner sharing the model
+        enabled = self.config.cpu_packed_weights
+        if not can_pack(self.dtype) or (self.dtype == torch.bfloat16 and not cpu_has_bf16()):
+            enabled = False  # (oneDNN would emulate bf16 too)
+        elif enabled is None and not packed:
+            available = free_memory_bytes(self.device)
+            enabled = available is not None and self.weight_bytes <= PACKED_WEIGHTS_MAX_SHARE * available
+            if not enabled:
+                logger.info("projections not packed: a copy of the %.2f GiB of weights would take more than "
+                            "%d%% of the memory available", self.weight_bytes / 2**30, 100 * PACKED_WEIGHTS_MAX_SHARE)
+        if enabled is None or bool(enabled) == packed:
+            return
+        self.model.pack_cpu_weights(enabled)
+        if enabled:
+            logger.info("projections packed for CPU batches (+%.2f GiB)", self.weight_bytes / 2**30)
 
     def _capture_graphs(self) -> None:
         from .cuda_graphs import DecodeGraphs

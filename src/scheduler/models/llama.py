@@ -13,7 +13,7 @@ from torch import nn
 from kernels import triton_attention, triton_ops
 from kernels.triton_gemv import SMALL_BATCH_ROWS, small_batch_linear
 from kernels.activation import silu_and_mul
-from kernels.linear import linear
+from kernels.linear import linear, pack_weight
 from kernels.attention import AttentionMetadata, paged_attention, qkv_rope_store
 from kernels.norm import rms_norm
 from kernels.rotary import rope_cos_sin
@@ -26,7 +26,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 def _project(layer: nn.Linear, x: torch.Tensor, row_major: bool = False) -> torch.Tensor:
     """The output may be column-major on the CPU (``linear(row_major=False)``): the native
     fused kernels and the torch paths read any strides; the Triton kernels ask for rows."""
-    return linear(x, layer.weight, layer.bias, row_major)
+    return linear(x, layer.weight, layer.bias, row_major, getattr(layer, "packed_weight", None))
 
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None) -> nn.Linear:
@@ -176,6 +176,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.triton = False
         self.model = LlamaModel(config, dtype)
+        self.packed_lm_head = None  # set by pack_cpu_weights
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -213,8 +214,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head over only the rows that sample: ``[N, hidden] -> [N, vocab]``."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight)
+        return linear(hidden, self.lm_head_weight, packed=self.packed_lm_head)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_cpu_weights(self, enabled: bool = True) -> None:
+        """Keep (or drop) a packed copy of every projection for CPU batches
+        (kernels/linear.py); the originals stay for the few-row kernel, prefill chunks and
+        the embedding."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module is not self.lm_head:
+                module.packed_weight = pack_weight(module.weight) if enabled else None
+        self.packed_lm_head = pack_weight(self.lm_head_weight) if enabled else None
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
