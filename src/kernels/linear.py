@@ -28,14 +28,14 @@ explained (2-core EPYC, SmolLM2 shapes, in-process A/B):
 
 * Decode batches: a copy of the weight packed once into the GEMM's own layout
   (``pack_weight``: MKL's packed sgemm in fp32, oneDNN's blocked layout in bf16) beats
-  the forms above, which start from the plain layout on every call. Whole decode steps (2-core Xeon with AMX, SmolLM2, in-process
-  A/B): fp32 at 64 rows 112 -> 76 ms, at 32 rows 82.3 -> 63.3, at 16 rows 55.7 -> 47.8
-  (where the few-row kernel now stops, ``few_rows_max``); bf16 at 64 rows 45.7 -> 42.2, at
-  8 rows 23.3 -> 20.3. W64 (engine offline, two runs each): fp32 239.0 -> 280.0 tok/s
-  (1.17x), bf16 534.2 -> 561.5 (1.05x). Above ``PACKED_MAX_ROWS`` (prefill chunks)
-  packing gains nothing in fp32 and loses in bf16. The packed copy costs the weights'
-  memory again, so the runner packs only when that is small against the memory
-  available (``ModelRunner._pack_cpu_weights``).
+  the forms above, which start from the plain layout on every call. Whole decode steps
+  (2-core Xeon with AMX, SmolLM2, in-process A/B): fp32 at 64 rows 112 -> 76 ms, at 32
+  rows 82.3 -> 63.3, at 16 rows 55.7 -> 47.8 (where the few-row kernel now stops,
+  ``few_rows_max``); bf16 at 64 rows 45.7 -> 42.2, at 8 rows 23.3 -> 20.3. W64 (engine
+  offline, two runs each): fp32 239.0 -> 280.0 tok/s (1.17x), bf16 534.2 -> 561.5
+  (1.05x). Above ``PACKED_MAX_ROWS`` (prefill chunks) packing gains nothing in fp32 and
+  loses in bf16. The packed copy costs the weights' memory again, so the runner packs
+  only when that is small against the memory available (``ModelRunner._pack_cpu_weights``).
 
 Accelerators always use ``F.linear``.
 """

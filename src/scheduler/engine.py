@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 # Speculation's cost model on a CPU (NgramDrafter.pays): a decode step of SmolLM2 on 2 cores
 # costs about fixed + rows x per-row, fixed ~ 33 rows' worth in fp32 (81.6 ms at 32 rows,
 # +1.25 ms a row) and ~ 48 in bf16; in A/B runs 32 beat 16 (fp32 W64) and 64 (bf16 chat x32).
+# (Measured before packed CPU weights, which made fp32 rows past 16 cheaper: ~0.5 ms a row
+# from 24 to 64, so 32 is now on the cautious side there.)
 # Accelerators: unmeasured, drafts are not gated.
 CPU_DOUBLING_ROWS = 32
 
