@@ -8,6 +8,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .grammar_compiles import GrammarCompiles
@@ -22,12 +24,13 @@ from .scheduler import AdmissionError, Scheduler, SchedulerConfig
 logger = logging.getLogger(__name__)
 
 # Speculation's cost model on a CPU (NgramDrafter.pays): a decode step of SmolLM2 on 2 cores
-# costs about fixed + rows x per-row, fixed ~ 33 rows' worth in fp32 (81.6 ms at 32 rows,
-# +1.25 ms a row) and ~ 48 in bf16; in A/B runs 32 beat 16 (fp32 W64) and 64 (bf16 chat x32).
-# (Measured before packed CPU weights, which made fp32 rows past 16 cheaper: ~0.5 ms a row
-# from 24 to 64, so 32 is now on the cautious side there.)
+# costs about fixed + rows x per-row, the fixed part R rows' worth. bf16: R ~ 48, and in A/B
+# runs 32 beat 64 and 128 on 32 open questions at once (908.6 / 879.2 / 865.2 tok/s, and
+# 903.9 / 873.6 / 853.8 in reverse order). fp32, with packed weights (kernels/linear.py) a
+# row past 16 costs ~0.5 ms against ~48 ms fixed: 128 beat 32 on W64 (355.3 vs 344.8 tok/s,
+# 599.8 vs 554.1 with its prompts cached and the order reversed), a tie on the questions.
 # Accelerators: unmeasured, drafts are not gated.
-CPU_DOUBLING_ROWS = 32
+CPU_DOUBLING_ROWS = {torch.float32: 128, torch.bfloat16: 32}
 
 
 @dataclass
@@ -59,7 +62,7 @@ class Engine:
                 long_prefill_token_threshold=budget // 2 if threshold is None else threshold,
                 max_draft_tokens=config.speculative_num_draft_tokens if config.speculative_algorithm else 0,
                 max_speculative_rows=self.runner.graphs.sizes[-1] if self.runner.graphs else None,
-                speculative_doubling_rows=CPU_DOUBLING_ROWS if self.runner.device.type == "cpu" else None,
+                speculative_doubling_rows=self._doubling_rows(),
             ),
             self.kv,
             eos,
@@ -83,7 +86,14 @@ class Engine:
         logger.info("overlap schedule: %s", "on" if self.overlap else "off")
         self.load = LoadSnapshot(max_total_num_tokens=self.kv.capacity_tokens)
 
+    def _doubling_rows(self) -> int | None:
+        """The drafter's cost model (CPU_DOUBLING_ROWS); None (not gated) off the CPU."""
+        if self.runner.device.type != "cpu":
+            return None
+        return CPU_DOUBLING_ROWS.get(self.runner.dtype, min(CPU_DOUBLING_ROWS.values()))
+
     # -- requests ----------------------------------------------------------------------
+
     def add_request(self, msg: AddRequest) -> Request:
         """Queue a request; raises AdmissionError for one that can never run."""
         self.scheduler.check_queue_room()  # first: under overload, refuse before any setup
