@@ -31,7 +31,7 @@ def test_linear_matches_f_linear(rows, with_bias, columns):
 @pytest.mark.parametrize("outputs", [1000, 1003, 3])  # whole blocks of 4 weight rows; a tail; only a tail
 @pytest.mark.parametrize("inputs", [576, 96])  # 96: a multiple of 32, not of 64
 def test_few_rows_linear_matches_f_linear(dtype, rows, with_bias, outputs, inputs):
-    """The native few-row kernel (csrc/gemv.c), which ``linear`` takes up to FEW_ROWS_MAX rows."""
+    """The native few-row kernel (csrc/gemv.c), which ``linear`` takes up to ``few_rows_max`` rows."""
     if cpu_kernels.load_library("gemv", dtype) is None:
         pytest.skip("no C compiler: native kernel unavailable")
     g = torch.Generator().manual_seed(rows)
@@ -44,7 +44,7 @@ def test_few_rows_linear_matches_f_linear(dtype, rows, with_bias, outputs, input
     expected = F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else {}
     torch.testing.assert_close(out, expected, **tol)
-    if rows <= cpu_kernels.FEW_ROWS_MAX[dtype]:
+    if rows <= few_rows_max(dtype, packed=False):
         torch.testing.assert_close(linear(x, w, b), out, rtol=0, atol=0)
 
 

@@ -284,16 +284,9 @@ def qkv_rope_store(
 GEMV_MAX_ROWS = 32  # MAX_ROWS in gemv.c
 
 
-def _few_rows_max() -> dict[torch.dtype, int]:
-    """Up to how many rows ``linear`` takes ``few_rows_linear``: where whole decode steps
-    ran faster with it than with torch's GEMM (2-core Xeon, SmolLM2, see linear.py). fp32
-    with AVX-512 (16-float vectors) to 24 rows, without to 12; bf16 to 4 (from 6 rows on,
-    torch's bf16 GEMM, AMX where there is one, is faster)."""
-    avx512 = "avx512f" in _cpu_signature().split()
-    return {torch.float32: 24 if avx512 else 12, torch.bfloat16: 4}
-
-
-FEW_ROWS_MAX = _few_rows_max()
+def has_avx512() -> bool:
+    """Whether the CPU has AVX-512 (gemv.c's fp32 path then works in 16-float vectors)."""
+    return "avx512f" in _cpu_signature().split()
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -13,7 +13,7 @@ explained (2-core EPYC, SmolLM2 shapes, in-process A/B):
   rows of x four at a time against each block of weights (read from memory once, then from
   L1), so in fp32 it stays ahead of torch up to ~24 rows with AVX-512: whole decode steps
   (2-core Xeon) at 5 rows 55.8 -> 33.0 ms, 8 rows 58.7 -> 37.0, 16 rows 65.2 -> 53.6, 24
-  74.7 -> 69.6, a wash at 32 (``cpu_kernels.FEW_ROWS_MAX``). In bf16, torch's GEMM (AMX)
+  74.7 -> 69.6, a wash at 32 (``FEW_ROWS_MAX``). In bf16, torch's GEMM (AMX)
   wins from 6 rows.
 
 * Short batches: ``weight @ x.T`` (made contiguous afterwards) beats ``F.linear`` on a few
@@ -48,17 +48,27 @@ import torch.nn.functional as F
 from . import cpu_kernels
 
 PACKED_MAX_ROWS = 256  # rows up to which a packed weight is used (see the docstring)
-FEW_ROWS_MAX_PACKED = {torch.float32: 8}  # see few_rows_max
 TRANSPOSED_MAX_ROWS = 64
 COLUMN_BLOCK = 1024  # weight rows per block of a wide projection
 WIDE_MIN_COLUMNS = 8 * COLUMN_BLOCK
 
 
+def _few_rows_max() -> dict[tuple[torch.dtype, bool], int]:
+    """(dtype, weight packed) -> up to how many rows ``few_rows_linear`` beats the GEMM it
+    would otherwise meet, in whole decode steps (2-core Xeon, SmolLM2; see the docstring).
+    fp32: to 24 rows with AVX-512 (16-float vectors), 12 without; against a packed weight
+    only to 8 (at 10 rows 43.7 -> 42.5 ms, at 16 rows 55.7 -> 47.8). bf16: to 4 either way
+    (from 6 rows on, torch's bf16 GEMM, AMX where there is one, is faster)."""
+    fp32 = 24 if cpu_kernels.has_avx512() else 12
+    return {(torch.float32, False): fp32, (torch.float32, True): min(fp32, 8),
+            (torch.bfloat16, False): 4, (torch.bfloat16, True): 4}
+
+
+FEW_ROWS_MAX = _few_rows_max()
+
+
 def few_rows_max(dtype: torch.dtype, packed: bool) -> int:
-    """Up to how many rows the few-row kernel is faster: against a packed weight's GEMM,
-    fp32 only up to 8 (whole decode steps at 10 rows 43.7 -> 42.5 ms, 16 rows 55.7 -> 47.8)."""
-    few = cpu_kernels.FEW_ROWS_MAX.get(dtype, 0)
-    return min(few, FEW_ROWS_MAX_PACKED.get(dtype, few)) if packed else few
+    return FEW_ROWS_MAX.get((dtype, packed), 0)
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -91,8 +101,7 @@ def linear(
         out = cpu_kernels.few_rows_linear(x, weight, bias)
         if out is not None:
             return out
-    if packed is not None and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == weight.dtype:
-        x = x.contiguous()
+    if packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
         if x.dtype == torch.float32:
             # (the batch size argument only guards a fallback: the packed layout fits any)
             return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])

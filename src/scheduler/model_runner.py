@@ -168,8 +168,6 @@ class ModelRunner:
         """A packed copy of the projections speeds up CPU batches of a few dozen rows
         (kernels/linear.py) at the cost of the weights' memory again: taken when that copy
         is at most ``PACKED_WEIGHTS_MAX_SHARE`` of the memory still available."""
-        if not hasattr(self.model, "pack_cpu_weights"):
-            return
         packed = self.model.packed_lm_head is not None  # by an earlier runner sharing the model
         enabled = self.config.cpu_packed_weights
         if not can_pack(self.dtype) or (self.dtype == torch.bfloat16 and not cpu_has_bf16()):
