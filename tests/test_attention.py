@@ -120,10 +120,10 @@ def test_native_decode_kernel_matches_torch_path_on_long_sequences(dtype, head_d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size,head_dim", [(16, 64), (16, 128), (16, 96), (16, 40), (8, 64)])
 def test_native_decode_kernel_at_the_engine_block_size(dtype, block_size, head_dim):
-    """16-token blocks (the default) and head dims a multiple of 32 take the bf16 build's
-    dot-product path where the CPU has AVX512-BF16 (all 16 rows of a block scored at once,
-    those past the length never used); 40 and 8-token blocks the widening one. Partial
-    blocks, one token, and three query heads per KV head (SmolLM2's grouping)."""
+    """16-token blocks (the default) and 8-token ones. Head dims a multiple of 32 take the
+    bf16 build's dot-product path where the CPU has AVX512-BF16, 40 the widening one and,
+    with 16-float vectors, an 8-float tail. Partial blocks (rows past the length are never
+    read), one token, and three query heads per KV head (SmolLM2's grouping)."""
     num_blocks, heads, kv_heads = 48, 9, 3
     g, k_cache, v_cache = random_paged_cache(dtype, num_blocks, head_dim, 3, block_size, kv_heads)
     seq_lens = [1, 15, 16, 17, 100, 203]

@@ -4,21 +4,23 @@
  * Each thread takes an equal share of all the requests' blocks; a request cut between two
  * shares is attended in pieces whose softmax states are merged (below, at the entry point).
  * Per KV block (block_size tokens) and KV head:
- *   scores  four tokens at a time, each with its own vector accumulator: four independent
- *           FMA chains instead of one dependent chain per token (a single chain leaves the
- *           FMA units waiting on their own latency);
+ *   scores  VF tokens at a time, each with its own vector accumulator (independent FMA
+ *           chains), whose lanes are then summed for all VF tokens together (lane_sums);
  *   softmax online, fp32, per query head;
  *   values  the output row of a query head stays in registers across the block's tokens
- *           (no load/store of the accumulator per token).
- * The GQA query heads of a KV head reuse its K/V rows while they are in L1; the next
- * block is prefetched, slice by slice, while the current one is computed. The bf16 build
- * (-DELEM_BF16, elem.h) widens each block's K rows of a head, then its V rows, to fp32 once,
- * into a small L1-resident buffer, and computes from there as the fp32 build does: widening in
- * the inner loops would repeat it for every query head of the group (measured at 64
- * requests x 600 tokens: 2.5 ms a layer that way, the same as fp32, against half as many
- * bytes read).
- * Vectors are GCC/Clang vector extensions (8 floats): AVX2 registers on x86, pairs of NEON
- * registers on Arm; head_dim 64 and 128 get unrolled copies, other multiples of 8 a generic one.
+ *           (no load/store of the accumulator per token), while the next block is
+ *           requested a line or two per token (see Prefetch).
+ * The GQA query heads of a KV head reuse its K/V rows while they are in L1. The bf16 build
+ * (-DELEM_BF16, elem.h) scores straight from the stored bf16 K rows with AVX512-BF16's dot
+ * product where the CPU has it (and D % 32 == 0); otherwise it widens the block's K rows of
+ * a head to fp32 once, into a small L1-resident buffer, and computes from there as the fp32
+ * build does (widening in the inner loops would repeat it for every query head of the
+ * group). V is always widened that way: its weights, the probabilities, are fp32.
+ * Vectors are GCC/Clang vector extensions (16 floats with AVX-512, else 8); head_dim 64 and
+ * 128 get unrolled copies, other multiples of 8 a generic one. 64 requests x 450 tokens x 30
+ * layers (SmolLM2's heads, blocks shuffled, 2-core Xeon): 8-float vectors, a horizontal sum
+ * per token and a burst of prefetches per head and pass took 82.6 ms in fp32 and 58.4 ms in
+ * bf16 (16.1 / 11.4 GB/s), this file 74.6 / 45.3 ms (17.8 / 14.6 GB/s).
  *
  * Layouts (all contiguous; elements fp32, or bf16 in the bf16 build):
  *   q, out        [n, H, D]
@@ -36,92 +38,211 @@
 
 #define MAX_HEADS 64 /* the wrapper also keeps head_dim <= 256: the per-thread buffers stay small */
 #define MAX_BLOCK 64
+/* Vectors of VF floats: 16 where the CPU has AVX-512, else 8 (AVX2 registers on x86, NEON
+ * pairs on Arm). A head dim that is a multiple of 8 but not of VF leaves an 8-float tail
+ * (TAIL8 below). */
+#ifdef __AVX512F__
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+#define VF 16
+#define LANES_EVEN 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+#define LANES_ODD 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+#define WIDEN8 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
+#else
+typedef v8 vf;
+#define VF 8
+#define LANES_EVEN 0, 2, 4, 6, 8, 10, 12, 14
+#define LANES_ODD 1, 3, 5, 7, 9, 11, 13, 15
+#endif
 
-/* Ask for a slice of the next block while this one is computed. Blocks sit anywhere in the
- * cache, so the hardware prefetcher loses the stream at every block edge. The next block's
- * K and V are requested in 2 * Hkv slices, one before each scores / values pass of the
- * current block, not in one burst: a burst of hundreds of lines fills the miss queue and
- * stalls the core until it drains, so memory and compute never overlap (W64-like decode,
- * 64 x 400 tokens x 30 layers: no prefetch 110 ms, one burst per block ~75-80 ms, sliced
- * ~54 ms, ~22 GB/s of the machine's ~25 GB/s). Hint 2 (to L2) measured best. */
-static inline void prefetch_slice(const elem_t *start, int elements) {
-    const char *p = (const char *)start;
-    for (int64_t b = 0; b < (int64_t)elements * (int64_t)sizeof(elem_t); b += 64) __builtin_prefetch(p + b, 0, 2);
+/* The pair sums of a's lanes, then b's, side by side in one vector. */
+static inline vf fold(vf a, vf b) {
+    return __builtin_shufflevector(a, b, LANES_EVEN) + __builtin_shufflevector(a, b, LANES_ODD);
+}
+
+/* Lane t: the sum of acc[t]'s lanes (acc is consumed). Folding the vectors in pairs, level by
+ * level, sums VF tokens' dot products in VF - 1 folds, where a horizontal sum per token took
+ * log2(VF) shuffles and adds each, and leaves the scores in one vector for the softmax. */
+static inline vf lane_sums(vf acc[VF]) {
+    for (int w = VF; w > 1; w /= 2)
+        for (int i = 0; i < w / 2; i++) acc[i] = fold(acc[2 * i], acc[2 * i + 1]);
+    return acc[0];
+}
+
+/* The next block is requested while this one is computed: blocks sit anywhere in the
+ * cache, so the hardware prefetcher loses the stream at every block edge. The requests are
+ * spread over the values pass, a line or two per token, not issued in bursts: a core keeps
+ * only so many misses in flight (its fill buffers), and a burst stalls it until they drain,
+ * so memory and compute stop overlapping. 64 requests x 450 tokens x 30 layers, blocks
+ * shuffled, one run: a burst per head and pass 83.2 ms (fp32) / 57.4 ms (bf16), spread
+ * 75.0 / 48.3 ms. Hint 2 (to L2) measured best. A Prefetch is one range of the next block,
+ * `step` bytes per call. */
+typedef struct {
+    const char *p, *end;
+    int step;
+} Prefetch;
+
+static inline Prefetch prefetch_range(const elem_t *start, int elements, int calls) {
+    const int bytes = elements * (int)sizeof(elem_t), lines = (bytes + 63) / 64;
+    return (Prefetch){(const char *)start, (const char *)start + bytes, 64 * ((lines + calls - 1) / calls)};
+}
+
+static inline void prefetch_some(Prefetch *pf) {
+    for (int b = 0; b < pf->step && pf->p < pf->end; b += 64, pf->p += 64) __builtin_prefetch(pf->p, 0, 2);
 }
 
 #ifdef ELEM_BF16
+#if VF == 16
+#include <immintrin.h>
+/* 16 bf16 values -> 16 floats: one widening move and a shift (GCC splits the generic
+ * vector conversion into 256-bit halves). */
+static inline vf loadvf(const elem_t *p) {
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
+#else
+#define loadvf load8
+#endif
+
 /* `len` rows of D elements, `row_stride` apart, into contiguous fp32 rows of `dst`. */
-static inline void widen_rows(const elem_t *src, int len, int row_stride, int NV, float *dst) {
-    for (int t = 0; t < len; t++)
-        for (int j = 0; j < NV; j++) ((v8 *)dst)[t * NV + j] = load8(src + (int64_t)t * row_stride + 8 * j);
+static inline void widen_rows(const elem_t *src, int len, int row_stride, int D, float *dst) {
+    for (int t = 0; t < len; t++) {
+        const elem_t *row = src + (int64_t)t * row_stride;
+        float *out = dst + (int64_t)t * D;
+        int j = 0;
+        for (; j + VF <= D; j += VF) *(vf *)(out + j) = loadvf(row + j);
+        if (j < D) *(v8 *)(out + j) = load8(row + j); /* D % VF == 8 */
+    }
 }
 #endif
 
-/* One request, one KV head, one block: scores of the G query heads for `len` tokens. */
-static inline void block_scores(const float *q, const float *kb, int len, int row_stride, int G, int NV,
-                                float scale, float s[][MAX_BLOCK]) {
-    for (int g = 0; g < G; g++) {
-        const v8 *qv = (const v8 *)(q + (int64_t)g * NV * 8);
-        int t = 0;
-        for (; t + 4 <= len; t += 4) {
-            const v8 *k0 = (const v8 *)(kb + (int64_t)t * row_stride);
-            const v8 *k1 = (const v8 *)(kb + (int64_t)(t + 1) * row_stride);
-            const v8 *k2 = (const v8 *)(kb + (int64_t)(t + 2) * row_stride);
-            const v8 *k3 = (const v8 *)(kb + (int64_t)(t + 3) * row_stride);
-            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int j = 0; j < NV; j++) {
-                const v8 x = qv[j];
-                a0 += x * k0[j];
-                a1 += x * k1[j];
-                a2 += x * k2[j];
-                a3 += x * k3[j];
-            }
-            s[g][t] = hsum(a0) * scale;
-            s[g][t + 1] = hsum(a1) * scale;
-            s[g][t + 2] = hsum(a2) * scale;
-            s[g][t + 3] = hsum(a3) * scale;
-        }
-        for (; t < len; t++) {
-            const v8 *k0 = (const v8 *)(kb + (int64_t)t * row_stride);
-            v8 a0 = {0};
-            for (int j = 0; j < NV; j++) a0 += qv[j] * k0[j];
-            s[g][t] = hsum(a0) * scale;
-        }
+/* One request, one KV head, one block: the scores of the G query heads (fp32 rows `q`, D
+ * apart) for the block's `len` rows, VF rows at a time, each row's dot product in its own
+ * accumulator (independent FMA chains), then summed across lanes by lane_sums (rows of a
+ * group past `len` are not read: zero). NVC: D / VF (a constant for the unrolled head dims);
+ * TAIL8: D % VF == 8. */
+#define DEFINE_BLOCK_SCORES(NAME, NVC, TAIL8)                                                              \
+    static inline void NAME(const float *q, const float *kb, int len, int row_stride, int G,               \
+                            int NV, float scale, float s[][MAX_BLOCK]) {                                   \
+        (void)NV;                                                                                          \
+        for (int g = 0; g < G; g++) {                                                                      \
+            const float *qg = q + (int64_t)g * (NVC * VF + 8 * (TAIL8));                                   \
+            for (int t0 = 0; t0 < len; t0 += VF) {                                                         \
+                const int m = len - t0 < VF ? len - t0 : VF;                                               \
+                vf acc[VF];                                                                                \
+                for (int t = 0; t < VF; t++) {                                                             \
+                    vf a = {0};                                                                            \
+                    if (t < m) {                                                                           \
+                        const float *k = kb + (int64_t)(t0 + t) * row_stride;                              \
+                        for (int j = 0; j < NVC; j++) a += ((const vf *)qg)[j] * ((const vf *)k)[j];       \
+                        if (TAIL8) a += tail8(*(const v8 *)(qg + NVC * VF) * *(const v8 *)(k + NVC * VF)); \
+                    }                                                                                      \
+                    acc[t] = a;                                                                            \
+                }                                                                                          \
+                *(vf *)(s[g] + t0) = lane_sums(acc) * scale;                                               \
+            }                                                                                              \
+        }                                                                                                  \
     }
-}
 
-/* acc[g] = acc[g] * corr[g] + sum_t p[g][t] * v[t], the row kept in registers (NV constant). */
-#define DEFINE_BLOCK_VALUES(NAME, NVC)                                                             \
-    static inline void NAME(float *acc, const float *vb, int len, int row_stride, int G, int NV,  \
-                            const float *corr, float s[][MAX_BLOCK]) {                              \
+/* acc[g] = acc[g] * corr[g] + sum_t p[g][t] * v[t], the row in registers where NVC is constant. */
+#define DEFINE_BLOCK_VALUES(NAME, NVC, TAIL8)                                                      \
+    static inline void NAME(float *acc, const float *vb, int len, int row_stride, int G, int NV,   \
+                            const float *corr, float s[][MAX_BLOCK], Prefetch *pk, Prefetch *pv) { \
         (void)NV;                                                                                  \
+        const int D = NVC * VF + 8 * (TAIL8);                                                      \
         for (int g = 0; g < G; g++) {                                                              \
-            v8 r[NVC];                                                                             \
-            v8 *a = (v8 *)(acc + (int64_t)g * NVC * 8);                                            \
-            for (int j = 0; j < NVC; j++) r[j] = a[j] * corr[g];                                   \
+            vf r[NVC];                                                                             \
+            v8 r8 = {0};                                                                           \
+            float *a = acc + (int64_t)g * D;                                                       \
+            for (int j = 0; j < NVC; j++) r[j] = *(vf *)(a + j * VF) * corr[g];                    \
+            if (TAIL8) r8 = *(v8 *)(a + NVC * VF) * corr[g];                                       \
             for (int t = 0; t < len; t++) {                                                        \
-                const v8 *v = (const v8 *)(vb + (int64_t)t * row_stride);                          \
+                const float *v = vb + (int64_t)t * row_stride;                                     \
                 const float p = s[g][t];                                                           \
-                for (int j = 0; j < NVC; j++) r[j] += p * v[j];                                    \
+                prefetch_some(pk);                                                                 \
+                prefetch_some(pv);                                                                 \
+                for (int j = 0; j < NVC; j++) r[j] += p * *(const vf *)(v + j * VF);               \
+                if (TAIL8) r8 += p * *(const v8 *)(v + NVC * VF);                                  \
             }                                                                                      \
-            for (int j = 0; j < NVC; j++) a[j] = r[j];                                             \
+            for (int j = 0; j < NVC; j++) *(vf *)(a + j * VF) = r[j];                              \
+            if (TAIL8) *(v8 *)(a + NVC * VF) = r8;                                                 \
         }                                                                                          \
     }
-DEFINE_BLOCK_VALUES(block_values_d64, 8)
-DEFINE_BLOCK_VALUES(block_values_d128, 16)
 
-static inline void block_values_any(float *acc, const float *vb, int len, int row_stride, int G, int NV,
-                                    const float *corr, float s[][MAX_BLOCK]) {
+#if VF == 16
+/* 8 floats in the low half of a vector, zeros above. */
+static inline vf tail8(v8 x) { return __builtin_shufflevector(x, (v8){0}, WIDEN8); }
+#else
+static inline vf tail8(v8 x) { return x; } /* (never called: D % 8 == 0) */
+#endif
+
+DEFINE_BLOCK_SCORES(block_scores_d64, 64 / VF, 0)
+DEFINE_BLOCK_SCORES(block_scores_d128, 128 / VF, 0)
+DEFINE_BLOCK_SCORES(block_scores_any, NV, 0)
+DEFINE_BLOCK_VALUES(block_values_d64, 64 / VF, 0)
+DEFINE_BLOCK_VALUES(block_values_d128, 128 / VF, 0)
+DEFINE_BLOCK_VALUES(block_values_any, NV, 0)
+#if VF == 16
+DEFINE_BLOCK_SCORES(block_scores_tail, NV, 1)
+DEFINE_BLOCK_VALUES(block_values_tail, NV, 1)
+#endif
+
+static inline void block_scores(const float *q, const float *kb, int len, int row_stride, int G, int D,
+                                float scale, float s[][MAX_BLOCK]) {
+    const int NV = D / VF;
+    if (D == 64)
+        block_scores_d64(q, kb, len, row_stride, G, NV, scale, s);
+    else if (D == 128)
+        block_scores_d128(q, kb, len, row_stride, G, NV, scale, s);
+#if VF == 16
+    else if (D % VF)
+        block_scores_tail(q, kb, len, row_stride, G, NV, scale, s);
+#endif
+    else
+        block_scores_any(q, kb, len, row_stride, G, NV, scale, s);
+}
+
+static inline void block_values(float *acc, const float *vb, int len, int row_stride, int G, int D, const float *corr,
+                                float s[][MAX_BLOCK], Prefetch *pk, Prefetch *pv) {
+    const int NV = D / VF;
+    if (D == 64)
+        block_values_d64(acc, vb, len, row_stride, G, NV, corr, s, pk, pv);
+    else if (D == 128)
+        block_values_d128(acc, vb, len, row_stride, G, NV, corr, s, pk, pv);
+#if VF == 16
+    else if (D % VF)
+        block_values_tail(acc, vb, len, row_stride, G, NV, corr, s, pk, pv);
+#endif
+    else
+        block_values_any(acc, vb, len, row_stride, G, NV, corr, s, pk, pv);
+}
+
+#if defined(ELEM_BF16) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define DPBF16 1
+/* The bf16 build where the CPU has AVX512-BF16 and D % 32 == 0: scores straight from the
+ * stored bf16 K rows and query, the dot-product instruction multiplying 32 bf16 pairs
+ * exactly and adding in fp32, so K is never widened. (V still is: its weights, the
+ * probabilities, are fp32.) */
+static inline void block_scores_bf16(const elem_t *q, const elem_t *kb, int len, int row_stride, int G,
+                                     int D, float scale, float s[][MAX_BLOCK]) {
     for (int g = 0; g < G; g++) {
-        v8 *a = (v8 *)(acc + (int64_t)g * NV * 8);
-        for (int j = 0; j < NV; j++) a[j] *= corr[g];
-        for (int t = 0; t < len; t++) {
-            const v8 *v = (const v8 *)(vb + (int64_t)t * row_stride);
-            const float p = s[g][t];
-            for (int j = 0; j < NV; j++) a[j] += p * v[j];
+        const elem_t *qg = q + (int64_t)g * D;
+        for (int t0 = 0; t0 < len; t0 += VF) {
+            const int m = len - t0 < VF ? len - t0 : VF;
+            vf acc[VF];
+            for (int t = 0; t < VF; t++) {
+                __m512 a = _mm512_setzero_ps();
+                if (t < m) {
+                    const elem_t *k = kb + (int64_t)(t0 + t) * row_stride;
+                    for (int j = 0; j < D; j += 32)
+                        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qg + j), (__m512bh)_mm512_loadu_si512(k + j));
+                }
+                acc[t] = (vf)a;
+            }
+            *(vf *)(s[g] + t0) = lane_sums(acc) * scale;
         }
     }
 }
+#endif
 
 /* Request i's attention over its KV blocks [b0, b1): the unnormalised output rows `acc`
  * [H * D] and each query head's online-softmax state (running max `m`, sum `l`). */
@@ -129,18 +250,20 @@ static void attend_blocks(const elem_t *q_i, const elem_t *k_cache, const elem_t
                           int64_t seq, int b0, int b1, int H, int Hkv, int D, int block_size, float scale,
                           float *acc, float *m, float *l) {
     const int G = H / Hkv;
-    const int NV = D / 8;
     const int row_stride = Hkv * D;
     /* Per-thread buffers sized by the real shapes (a few KB for common models): a worker
      * thread's stack may be small (OMP_STACKSIZE, musl's 128 KB). */
 #ifdef ELEM_BF16
-    float qi[H * D] __attribute__((aligned(32)));
+    float qi[H * D] __attribute__((aligned(64)));
     for (int j = 0; j < H * D; j++) qi[j] = ld(q_i[j]);
-    float kv[block_size * D] __attribute__((aligned(32))); /* one block of K, then of V */
+    float kv[block_size * D] __attribute__((aligned(64))); /* one block of K, then of V */
+#ifdef DPBF16
+    const int dot_bf16 = D % 32 == 0;
+#endif
 #else
     const float *qi = q_i;
 #endif
-    float corr[MAX_HEADS], s[MAX_HEADS][MAX_BLOCK];
+    float corr[MAX_HEADS], s[MAX_HEADS][MAX_BLOCK] __attribute__((aligned(64)));
     for (int hq = 0; hq < H; hq++) {
         m[hq] = -FLT_MAX;
         l[hq] = 0.f;
@@ -154,18 +277,22 @@ static void attend_blocks(const elem_t *q_i, const elem_t *k_cache, const elem_t
         const int slice = block_size * D; /* = block_size * row_stride / Hkv */
         const int len = (int)(seq - start < block_size ? seq - start : block_size);
         for (int h = 0; h < Hkv; h++) {
-#ifdef ELEM_BF16
-            const float *kb = kv, *vb = kv;
-            const int kv_stride = D;
-            widen_rows(k_cache + base * row_stride + (int64_t)h * D, len, row_stride, NV, kv);
-#else
-            const float *kb = k_cache + base * row_stride + (int64_t)h * D;
-            const float *vb = v_cache + base * row_stride + (int64_t)h * D;
-            const int kv_stride = row_stride;
-#endif
+            const elem_t *k_rows = k_cache + base * row_stride + (int64_t)h * D;
+            const elem_t *v_rows = v_cache + base * row_stride + (int64_t)h * D;
             float(*sh)[MAX_BLOCK] = s + h * G;
-            if (next >= 0) prefetch_slice(k_cache + next + (int64_t)h * slice, slice);
-            block_scores(qi + (int64_t)h * G * D, kb, len, kv_stride, G, NV, scale, sh);
+#ifdef ELEM_BF16
+#ifdef DPBF16
+            if (dot_bf16)
+                block_scores_bf16(q_i + (int64_t)h * G * D, k_rows, len, row_stride, G, D, scale, sh);
+            else
+#endif
+            {
+                widen_rows(k_rows, len, row_stride, D, kv);
+                block_scores(qi + (int64_t)h * G * D, kv, len, D, G, D, scale, sh);
+            }
+#else
+            block_scores(qi + (int64_t)h * G * D, k_rows, len, row_stride, G, D, scale, sh);
+#endif
             for (int g = 0; g < G; g++) {
                 const int hq = h * G + g;
                 float mb = m[hq];
@@ -180,16 +307,15 @@ static void attend_blocks(const elem_t *q_i, const elem_t *k_cache, const elem_t
                 m[hq] = mb;
             }
             float *ah = acc + (int64_t)h * G * D;
-            if (next >= 0) prefetch_slice(v_cache + next + (int64_t)h * slice, slice);
+            /* the next block's K and V of this head, over the G * len steps of the values pass */
+            Prefetch pk = prefetch_range(k_cache + next + (int64_t)h * slice, next >= 0 ? slice : 0, G * len);
+            Prefetch pv = prefetch_range(v_cache + next + (int64_t)h * slice, next >= 0 ? slice : 0, G * len);
 #ifdef ELEM_BF16
-            widen_rows(v_cache + base * row_stride + (int64_t)h * D, len, row_stride, NV, kv); /* K is done */
+            widen_rows(v_rows, len, row_stride, D, kv); /* (K is done with the buffer) */
+            block_values(ah, kv, len, D, G, D, corr, sh, &pk, &pv);
+#else
+            block_values(ah, v_rows, len, row_stride, G, D, corr, sh, &pk, &pv);
 #endif
-            if (D == 64)
-                block_values_d64(ah, vb, len, kv_stride, G, NV, corr, sh);
-            else if (D == 128)
-                block_values_d128(ah, vb, len, kv_stride, G, NV, corr, sh);
-            else
-                block_values_any(ah, vb, len, kv_stride, G, NV, corr, sh);
         }
     }
 }
