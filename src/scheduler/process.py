@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -248,6 +249,7 @@ def _preload_tokenizer(model_path: str) -> None:
         load_tokenizer(model_path)
     except Exception as e:  # noqa: BLE001  (a stop request will be refused with the reason)
         logger.warning("no tokenizer for stop strings: %s", e)
+    gc.freeze()  # the tokenizer's objects too (no collect here: it would pause the step loop)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         from .engine import Engine
 
         engine = Engine(config)
+        # What start-up made (model, kernels, imports: ~300k objects) is kept for good: out
+        # of the cyclic GC's sight, as vLLM does, a full collection no longer scans it
+        # (97 ms with SmolLM2, a pause of several steps whenever one came due; 0 after).
+        gc.collect()
+        gc.freeze()
         send(EngineReady(model_info(engine, config)))
     except Exception as e:
         # A bad model, flag or device is the operator's to fix: the message says it all.

@@ -4,6 +4,7 @@ serve, and shut down cleanly (SIGTERM drains, a dead scheduler exits non-zero)."
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -153,6 +154,10 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
             logger.error("start-up failed: %s", e)
             return 1
         health.warmed_up = True
+        # Start-up's ~200k long-lived objects out of the cyclic GC's sight: a full collection
+        # scanned them all on the event loop (70 ms) whenever one came due.
+        gc.collect()
+        gc.freeze()
         logger.info("SERVING %s on %s", client.model_info["model_path"], address)
 
         died = asyncio.create_task(client.died.wait())
