@@ -107,7 +107,7 @@ def assert_native_decode_matches_torch_path(q, k_cache, v_cache, seq_lens, table
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("head_dim", [D, 64, 128, 40])  # the generic loop, the two unrolled sizes, 5 vectors
+@pytest.mark.parametrize("head_dim", [D, 64, 128, 40, 8])  # generic, the two unrolled sizes, 8-float tails
 def test_native_decode_kernel_matches_torch_path_on_long_sequences(dtype, head_dim):
     n, num_blocks = 5, 64
     g, k_cache, v_cache = random_paged_cache(dtype, num_blocks, head_dim, seed=0)

@@ -46,7 +46,6 @@ typedef float vf __attribute__((vector_size(64), aligned(4)));
 #define VF 16
 #define LANES_EVEN 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
 #define LANES_ODD 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
-#define WIDEN8 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
 #else
 typedef v8 vf;
 #define VF 8
@@ -54,9 +53,23 @@ typedef v8 vf;
 #define LANES_ODD 1, 3, 5, 7, 9, 11, 13, 15
 #endif
 
+/* Lanes of a and b (b's numbered from VF on): __builtin_shufflevector is Clang's and GCC
+ * 12's; older GCC has __builtin_shuffle with a mask vector. */
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t vf_mask __attribute__((vector_size(VF * 4)));
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vf_mask){__VA_ARGS__})
+#endif
+
 /* The pair sums of a's lanes, then b's, side by side in one vector. */
-static inline vf fold(vf a, vf b) {
-    return __builtin_shufflevector(a, b, LANES_EVEN) + __builtin_shufflevector(a, b, LANES_ODD);
+static inline vf fold(vf a, vf b) { return SHUFFLE(a, b, LANES_EVEN) + SHUFFLE(a, b, LANES_ODD); }
+
+/* 8 floats in the low lanes of a vector, zeros above (D % VF == 8 with 16-float vectors). */
+static inline vf tail8(v8 x) {
+    vf r = {0};
+    memcpy(&r, &x, sizeof x);
+    return r;
 }
 
 /* Lane t: the sum of acc[t]'s lanes (acc is consumed). Folding the vectors in pairs, level by
@@ -77,17 +90,18 @@ static inline vf lane_sums(vf acc[VF]) {
  * 75.0 / 48.3 ms. Hint 2 (to L2) measured best. A Prefetch is one range of the next block,
  * `step` bytes per call. */
 typedef struct {
-    const char *p, *end;
-    int step;
+    const char *start;
+    int next, end, step; /* byte offsets: the next line to request, the range's end; bytes per call */
 } Prefetch;
 
 static inline Prefetch prefetch_range(const elem_t *start, int elements, int calls) {
     const int bytes = elements * (int)sizeof(elem_t), lines = (bytes + 63) / 64;
-    return (Prefetch){(const char *)start, (const char *)start + bytes, 64 * ((lines + calls - 1) / calls)};
+    return (Prefetch){(const char *)start, 0, bytes, 64 * ((lines + calls - 1) / calls)};
 }
 
 static inline void prefetch_some(Prefetch *pf) {
-    for (int b = 0; b < pf->step && pf->p < pf->end; b += 64, pf->p += 64) __builtin_prefetch(pf->p, 0, 2);
+    for (int b = 0; b < pf->step && pf->next < pf->end; b += 64, pf->next += 64)
+        __builtin_prefetch(pf->start + pf->next, 0, 2);
 }
 
 #ifdef ELEM_BF16
@@ -117,102 +131,78 @@ static inline void widen_rows(const elem_t *src, int len, int row_stride, int D,
 /* One request, one KV head, one block: the scores of the G query heads (fp32 rows `q`, D
  * apart) for the block's `len` rows, VF rows at a time, each row's dot product in its own
  * accumulator (independent FMA chains), then summed across lanes by lane_sums (rows of a
- * group past `len` are not read: zero). NVC: D / VF (a constant for the unrolled head dims);
- * TAIL8: D % VF == 8. */
-#define DEFINE_BLOCK_SCORES(NAME, NVC, TAIL8)                                                              \
-    static inline void NAME(const float *q, const float *kb, int len, int row_stride, int G,               \
-                            int NV, float scale, float s[][MAX_BLOCK]) {                                   \
-        (void)NV;                                                                                          \
-        for (int g = 0; g < G; g++) {                                                                      \
-            const float *qg = q + (int64_t)g * (NVC * VF + 8 * (TAIL8));                                   \
-            for (int t0 = 0; t0 < len; t0 += VF) {                                                         \
-                const int m = len - t0 < VF ? len - t0 : VF;                                               \
-                vf acc[VF];                                                                                \
-                for (int t = 0; t < VF; t++) {                                                             \
-                    vf a = {0};                                                                            \
-                    if (t < m) {                                                                           \
-                        const float *k = kb + (int64_t)(t0 + t) * row_stride;                              \
-                        for (int j = 0; j < NVC; j++) a += ((const vf *)qg)[j] * ((const vf *)k)[j];       \
-                        if (TAIL8) a += tail8(*(const v8 *)(qg + NVC * VF) * *(const v8 *)(k + NVC * VF)); \
-                    }                                                                                      \
-                    acc[t] = a;                                                                            \
-                }                                                                                          \
-                *(vf *)(s[g] + t0) = lane_sums(acc) * scale;                                               \
-            }                                                                                              \
-        }                                                                                                  \
-    }
-
-/* acc[g] = acc[g] * corr[g] + sum_t p[g][t] * v[t], the row in registers where NVC is constant. */
-#define DEFINE_BLOCK_VALUES(NAME, NVC, TAIL8)                                                      \
-    static inline void NAME(float *acc, const float *vb, int len, int row_stride, int G, int NV,   \
-                            const float *corr, float s[][MAX_BLOCK], Prefetch *pk, Prefetch *pv) { \
-        (void)NV;                                                                                  \
-        const int D = NVC * VF + 8 * (TAIL8);                                                      \
+ * group past `len` are not read: zero). NVC: whole vectors in a row, D / VF, a constant
+ * for the unrolled head dims; TAIL8: D % VF == 8 (the last 8 floats, 16-float vectors). */
+#define DEFINE_BLOCK_SCORES(NAME, NVC, TAIL8)                                                      \
+    static inline void NAME(const float *q, const float *kb, int len, int row_stride, int G, int D, \
+                            float scale, float s[][MAX_BLOCK]) {                                   \
         for (int g = 0; g < G; g++) {                                                              \
-            vf r[NVC];                                                                             \
-            v8 r8 = {0};                                                                           \
-            float *a = acc + (int64_t)g * D;                                                       \
-            for (int j = 0; j < NVC; j++) r[j] = *(vf *)(a + j * VF) * corr[g];                    \
-            if (TAIL8) r8 = *(v8 *)(a + NVC * VF) * corr[g];                                       \
-            for (int t = 0; t < len; t++) {                                                        \
-                const float *v = vb + (int64_t)t * row_stride;                                     \
-                const float p = s[g][t];                                                           \
-                prefetch_some(pk);                                                                 \
-                prefetch_some(pv);                                                                 \
-                for (int j = 0; j < NVC; j++) r[j] += p * *(const vf *)(v + j * VF);               \
-                if (TAIL8) r8 += p * *(const v8 *)(v + NVC * VF);                                  \
+            const float *qg = q + (int64_t)g * D;                                                  \
+            for (int t0 = 0; t0 < len; t0 += VF) {                                                 \
+                const int m = len - t0 < VF ? len - t0 : VF;                                       \
+                vf acc[VF];                                                                        \
+                for (int t = 0; t < VF; t++) {                                                     \
+                    vf a = {0};                                                                    \
+                    if (t < m) {                                                                   \
+                        const float *k = kb + (int64_t)(t0 + t) * row_stride;                      \
+                        for (int j = 0; j < NVC; j++) a += ((const vf *)qg)[j] * ((const vf *)k)[j]; \
+                        if (TAIL8) a += tail8(*(const v8 *)(qg + D - 8) * *(const v8 *)(k + D - 8)); \
+                    }                                                                              \
+                    acc[t] = a;                                                                    \
+                }                                                                                  \
+                *(vf *)(s[g] + t0) = lane_sums(acc) * scale;                                       \
             }                                                                                      \
-            for (int j = 0; j < NVC; j++) *(vf *)(a + j * VF) = r[j];                              \
-            if (TAIL8) *(v8 *)(a + NVC * VF) = r8;                                                 \
         }                                                                                          \
     }
 
-#if VF == 16
-/* 8 floats in the low half of a vector, zeros above. */
-static inline vf tail8(v8 x) { return __builtin_shufflevector(x, (v8){0}, WIDEN8); }
-#else
-static inline vf tail8(v8 x) { return x; } /* (never called: D % 8 == 0) */
-#endif
+/* acc[g] = acc[g] * corr[g] + sum_t p[g][t] * v[t], the row in registers where NVC is constant. */
+#define DEFINE_BLOCK_VALUES(NAME, NVC, TAIL8)                                                       \
+    static inline void NAME(float *acc, const float *vb, int len, int row_stride, int G, int D,     \
+                            const float *corr, float s[][MAX_BLOCK], Prefetch *pk, Prefetch *pv) {  \
+        for (int g = 0; g < G; g++) {                                                               \
+            vf r[(NVC) > 0 ? (NVC) : 1]; /* (D 8 with 16-float vectors: the tail alone) */          \
+            v8 r8 = {0};                                                                            \
+            float *a = acc + (int64_t)g * D;                                                        \
+            for (int j = 0; j < NVC; j++) r[j] = *(vf *)(a + j * VF) * corr[g];                     \
+            if (TAIL8) r8 = *(v8 *)(a + D - 8) * corr[g];                                           \
+            for (int t = 0; t < len; t++) {                                                         \
+                const float *v = vb + (int64_t)t * row_stride;                                      \
+                const float p = s[g][t];                                                            \
+                prefetch_some(pk);                                                                  \
+                prefetch_some(pv);                                                                  \
+                for (int j = 0; j < NVC; j++) r[j] += p * *(const vf *)(v + j * VF);                \
+                if (TAIL8) r8 += p * *(const v8 *)(v + D - 8);                                      \
+            }                                                                                       \
+            for (int j = 0; j < NVC; j++) *(vf *)(a + j * VF) = r[j];                               \
+            if (TAIL8) *(v8 *)(a + D - 8) = r8;                                                     \
+        }                                                                                           \
+    }
 
 DEFINE_BLOCK_SCORES(block_scores_d64, 64 / VF, 0)
 DEFINE_BLOCK_SCORES(block_scores_d128, 128 / VF, 0)
-DEFINE_BLOCK_SCORES(block_scores_any, NV, 0)
+DEFINE_BLOCK_SCORES(block_scores_any, D / VF, D % VF)
 DEFINE_BLOCK_VALUES(block_values_d64, 64 / VF, 0)
 DEFINE_BLOCK_VALUES(block_values_d128, 128 / VF, 0)
-DEFINE_BLOCK_VALUES(block_values_any, NV, 0)
-#if VF == 16
-DEFINE_BLOCK_SCORES(block_scores_tail, NV, 1)
-DEFINE_BLOCK_VALUES(block_values_tail, NV, 1)
-#endif
+DEFINE_BLOCK_VALUES(block_values_any, D / VF, D % VF)
 
 static inline void block_scores(const float *q, const float *kb, int len, int row_stride, int G, int D,
                                 float scale, float s[][MAX_BLOCK]) {
-    const int NV = D / VF;
     if (D == 64)
-        block_scores_d64(q, kb, len, row_stride, G, NV, scale, s);
+        block_scores_d64(q, kb, len, row_stride, G, D, scale, s);
     else if (D == 128)
-        block_scores_d128(q, kb, len, row_stride, G, NV, scale, s);
-#if VF == 16
-    else if (D % VF)
-        block_scores_tail(q, kb, len, row_stride, G, NV, scale, s);
-#endif
+        block_scores_d128(q, kb, len, row_stride, G, D, scale, s);
     else
-        block_scores_any(q, kb, len, row_stride, G, NV, scale, s);
+        block_scores_any(q, kb, len, row_stride, G, D, scale, s);
 }
 
 static inline void block_values(float *acc, const float *vb, int len, int row_stride, int G, int D, const float *corr,
                                 float s[][MAX_BLOCK], Prefetch *pk, Prefetch *pv) {
-    const int NV = D / VF;
     if (D == 64)
-        block_values_d64(acc, vb, len, row_stride, G, NV, corr, s, pk, pv);
+        block_values_d64(acc, vb, len, row_stride, G, D, corr, s, pk, pv);
     else if (D == 128)
-        block_values_d128(acc, vb, len, row_stride, G, NV, corr, s, pk, pv);
-#if VF == 16
-    else if (D % VF)
-        block_values_tail(acc, vb, len, row_stride, G, NV, corr, s, pk, pv);
-#endif
+        block_values_d128(acc, vb, len, row_stride, G, D, corr, s, pk, pv);
     else
-        block_values_any(acc, vb, len, row_stride, G, NV, corr, s, pk, pv);
+        block_values_any(acc, vb, len, row_stride, G, D, corr, s, pk, pv);
 }
 
 #if defined(ELEM_BF16) && defined(__AVX512BF16__)
@@ -307,9 +297,10 @@ static void attend_blocks(const elem_t *q_i, const elem_t *k_cache, const elem_t
                 m[hq] = mb;
             }
             float *ah = acc + (int64_t)h * G * D;
-            /* the next block's K and V of this head, over the G * len steps of the values pass */
-            Prefetch pk = prefetch_range(k_cache + next + (int64_t)h * slice, next >= 0 ? slice : 0, G * len);
-            Prefetch pv = prefetch_range(v_cache + next + (int64_t)h * slice, next >= 0 ? slice : 0, G * len);
+            /* a slice of the next block's K and V, over the G * len steps of the values pass */
+            const int64_t ahead = next >= 0 ? next + (int64_t)h * slice : 0;
+            Prefetch pk = prefetch_range(k_cache + ahead, next >= 0 ? slice : 0, G * len);
+            Prefetch pv = prefetch_range(v_cache + ahead, next >= 0 ? slice : 0, G * len);
 #ifdef ELEM_BF16
             widen_rows(v_rows, len, row_stride, D, kv); /* (K is done with the buffer) */
             block_values(ah, kv, len, D, G, D, corr, sh, &pk, &pv);
