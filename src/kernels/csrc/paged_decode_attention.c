@@ -42,6 +42,7 @@
  * pairs on Arm). A head dim that is a multiple of 8 but not of VF leaves an 8-float tail
  * (TAIL8 below). */
 #ifdef __AVX512F__
+#include <immintrin.h>
 typedef float vf __attribute__((vector_size(64), aligned(4)));
 #define VF 16
 #define LANES_EVEN 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
@@ -106,7 +107,6 @@ static inline void prefetch_some(Prefetch *pf) {
 
 #ifdef ELEM_BF16
 #if VF == 16
-#include <immintrin.h>
 /* 16 bf16 values -> 16 floats: one widening move and a shift (GCC splits the generic
  * vector conversion into 256-bit halves). */
 static inline vf loadvf(const elem_t *p) {
@@ -206,7 +206,6 @@ static inline void block_values(float *acc, const float *vb, int len, int row_st
 }
 
 #if defined(ELEM_BF16) && defined(__AVX512BF16__)
-#include <immintrin.h>
 #define DPBF16 1
 /* The bf16 build where the CPU has AVX512-BF16 and D % 32 == 0: scores straight from the
  * stored bf16 K rows and query, the dot-product instruction multiplying 32 bf16 pairs
