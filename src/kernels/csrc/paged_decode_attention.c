@@ -38,6 +38,7 @@
 
 #define MAX_HEADS 64 /* the wrapper also keeps head_dim <= 256: the per-thread buffers stay small */
 #define MAX_BLOCK 64
+
 /* Vectors of VF floats: 16 where the CPU has AVX-512, else 8 (AVX2 registers on x86, NEON
  * pairs on Arm). A head dim that is a multiple of 8 but not of VF leaves an 8-float tail
  * (TAIL8 below). */
@@ -128,31 +129,36 @@ static inline void widen_rows(const elem_t *src, int len, int row_stride, int D,
 }
 #endif
 
-/* One request, one KV head, one block: the scores of the G query heads (fp32 rows `q`, D
- * apart) for the block's `len` rows, VF rows at a time, each row's dot product in its own
- * accumulator (independent FMA chains), then summed across lanes by lane_sums (rows of a
- * group past `len` are not read: zero). NVC: whole vectors in a row, D / VF, a constant
- * for the unrolled head dims; TAIL8: D % VF == 8 (the last 8 floats, 16-float vectors). */
-#define DEFINE_BLOCK_SCORES(NAME, NVC, TAIL8)                                                      \
-    static inline void NAME(const float *q, const float *kb, int len, int row_stride, int G, int D, \
-                            float scale, float s[][MAX_BLOCK]) {                                   \
-        for (int g = 0; g < G; g++) {                                                              \
-            const float *qg = q + (int64_t)g * D;                                                  \
-            for (int t0 = 0; t0 < len; t0 += VF) {                                                 \
-                const int m = len - t0 < VF ? len - t0 : VF;                                       \
-                vf acc[VF];                                                                        \
-                for (int t = 0; t < VF; t++) {                                                     \
-                    vf a = {0};                                                                    \
-                    if (t < m) {                                                                   \
-                        const float *k = kb + (int64_t)(t0 + t) * row_stride;                      \
-                        for (int j = 0; j < NVC; j++) a += ((const vf *)qg)[j] * ((const vf *)k)[j]; \
-                        if (TAIL8) a += tail8(*(const v8 *)(qg + D - 8) * *(const v8 *)(k + D - 8)); \
-                    }                                                                              \
-                    acc[t] = a;                                                                    \
-                }                                                                                  \
-                *(vf *)(s[g] + t0) = lane_sums(acc) * scale;                                       \
-            }                                                                                      \
-        }                                                                                          \
+/* One row's dot product with a query head, left in VF lanes (lane_sums adds them up):
+ * fp32 rows, NV whole vectors (a constant where inlined for the unrolled head dims) and,
+ * with `tail`, the last 8 floats (D % VF == 8 with 16-float vectors). */
+static inline __attribute__((always_inline)) vf dot_f32(const float *q, const float *k, int NV, int tail, int D) {
+    vf a = {0};
+    for (int j = 0; j < NV; j++) a += ((const vf *)q)[j] * ((const vf *)k)[j];
+    if (tail) a += tail8(*(const v8 *)(q + D - 8) * *(const v8 *)(k + D - 8));
+    return a;
+}
+#define DOT_D64(q, k, D) dot_f32(q, k, 64 / VF, 0, D)
+#define DOT_D128(q, k, D) dot_f32(q, k, 128 / VF, 0, D)
+#define DOT_ANY(q, k, D) dot_f32(q, k, (D) / VF, (D) % VF, D)
+
+/* One request, one KV head, one block: the scores of the G query heads (rows of `q`, D
+ * apart) for the block's `len` rows, VF rows at a time, each row's dot product (DOT) in its
+ * own accumulator (independent FMA chains), then summed across lanes by lane_sums (rows of
+ * a group past `len` are not read: zero). */
+#define DEFINE_BLOCK_SCORES(NAME, ELEM, DOT)                                                        \
+    static inline void NAME(const ELEM *q, const ELEM *kb, int len, int row_stride, int G, int D,   \
+                            float scale, float s[][MAX_BLOCK]) {                                    \
+        for (int g = 0; g < G; g++) {                                                               \
+            const ELEM *qg = q + (int64_t)g * D;                                                    \
+            for (int t0 = 0; t0 < len; t0 += VF) {                                                  \
+                const int m = len - t0 < VF ? len - t0 : VF;                                        \
+                vf acc[VF];                                                                         \
+                for (int t = 0; t < VF; t++)                                                        \
+                    acc[t] = t < m ? DOT(qg, kb + (int64_t)(t0 + t) * row_stride, D) : (vf){0};     \
+                *(vf *)(s[g] + t0) = lane_sums(acc) * scale;                                        \
+            }                                                                                       \
+        }                                                                                           \
     }
 
 /* acc[g] = acc[g] * corr[g] + sum_t p[g][t] * v[t], the row in registers where NVC is constant. */
@@ -178,9 +184,9 @@ static inline void widen_rows(const elem_t *src, int len, int row_stride, int D,
         }                                                                                           \
     }
 
-DEFINE_BLOCK_SCORES(block_scores_d64, 64 / VF, 0)
-DEFINE_BLOCK_SCORES(block_scores_d128, 128 / VF, 0)
-DEFINE_BLOCK_SCORES(block_scores_any, D / VF, D % VF)
+DEFINE_BLOCK_SCORES(block_scores_d64, float, DOT_D64)
+DEFINE_BLOCK_SCORES(block_scores_d128, float, DOT_D128)
+DEFINE_BLOCK_SCORES(block_scores_any, float, DOT_ANY)
 DEFINE_BLOCK_VALUES(block_values_d64, 64 / VF, 0)
 DEFINE_BLOCK_VALUES(block_values_d128, 128 / VF, 0)
 DEFINE_BLOCK_VALUES(block_values_any, D / VF, D % VF)
@@ -211,26 +217,13 @@ static inline void block_values(float *acc, const float *vb, int len, int row_st
  * stored bf16 K rows and query, the dot-product instruction multiplying 32 bf16 pairs
  * exactly and adding in fp32, so K is never widened. (V still is: its weights, the
  * probabilities, are fp32.) */
-static inline void block_scores_bf16(const elem_t *q, const elem_t *kb, int len, int row_stride, int G,
-                                     int D, float scale, float s[][MAX_BLOCK]) {
-    for (int g = 0; g < G; g++) {
-        const elem_t *qg = q + (int64_t)g * D;
-        for (int t0 = 0; t0 < len; t0 += VF) {
-            const int m = len - t0 < VF ? len - t0 : VF;
-            vf acc[VF];
-            for (int t = 0; t < VF; t++) {
-                __m512 a = _mm512_setzero_ps();
-                if (t < m) {
-                    const elem_t *k = kb + (int64_t)(t0 + t) * row_stride;
-                    for (int j = 0; j < D; j += 32)
-                        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qg + j), (__m512bh)_mm512_loadu_si512(k + j));
-                }
-                acc[t] = (vf)a;
-            }
-            *(vf *)(s[g] + t0) = lane_sums(acc) * scale;
-        }
-    }
+static inline __attribute__((always_inline)) vf dot_bf16(const elem_t *q, const elem_t *k, int D) {
+    __m512 a = _mm512_setzero_ps();
+    for (int j = 0; j < D; j += 32)
+        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q + j), (__m512bh)_mm512_loadu_si512(k + j));
+    return (vf)a;
 }
+DEFINE_BLOCK_SCORES(block_scores_bf16, elem_t, dot_bf16)
 #endif
 
 /* Request i's attention over its KV blocks [b0, b1): the unnormalised output rows `acc`
