@@ -7,7 +7,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup proto run test test-slow bench clean
+.PHONY: setup proto run lint format test test-slow bench clean
 
 setup: $(STAMP)
 
@@ -27,9 +27,18 @@ proto:
 run: setup
 	$(PY) -m servicer --model smollm2 $(ARGS)
 
-# The default set: unit, parity and end-to-end tests on the real model, router and grpcurl
-# (tests marked slow run with `make test-slow`).
-test: setup
+# Formatting and lint (ruff, configured in pyproject.toml); `make format` applies them.
+lint: setup
+	$(PY) -m ruff format --check --quiet .
+	$(PY) -m ruff check --quiet .
+
+format: setup
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+# The default set: lint, then unit, parity and end-to-end tests on the real model, router
+# and grpcurl (tests marked slow run with `make test-slow`).
+test: lint
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 # (pytest exits 5 when no test is marked slow: an empty set, not a failure)

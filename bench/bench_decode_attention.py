@@ -61,9 +61,11 @@ def main() -> None:
     tables = [order[i * per_request : (i + 1) * per_request] for i in range(n)]
     meta = AttentionMetadata.build([1] * n, [args.tokens] * n, tables, bs)
     scale = args.head_dim**-0.5
-    print(f"{n} requests x {args.tokens} tokens x {args.layers} layers, heads {args.heads}/{args.kv_heads}, "
-          f"head dim {args.head_dim}, {bs}-token blocks {'in order' if args.in_order else 'shuffled'}, "
-          f"{args.threads} threads")
+    print(
+        f"{n} requests x {args.tokens} tokens x {args.layers} layers, heads {args.heads}/{args.kv_heads}, "
+        f"head dim {args.head_dim}, {bs}-token blocks {'in order' if args.in_order else 'shuffled'}, "
+        f"{args.threads} threads"
+    )
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         shape = (num_blocks, bs, args.kv_heads, args.head_dim)
@@ -73,8 +75,12 @@ def main() -> None:
 
         def native():
             for k, v in caches:
-                if cpu_kernels.paged_decode_attention(q, k, v, meta.decode_block_tables, meta.decode_seq_lens, scale,
-                                                      max_seq_len=args.tokens, out=out) is None:
+                if (
+                    cpu_kernels.paged_decode_attention(
+                        q, k, v, meta.decode_block_tables, meta.decode_seq_lens, scale, max_seq_len=args.tokens, out=out
+                    )
+                    is None
+                ):
                     raise SystemExit("the native kernel declined these shapes (or there is no C compiler)")
 
         def reference():
@@ -83,13 +89,16 @@ def main() -> None:
 
         native_ms, torch_ms = median_ms(native, args.repeat), median_ms(reference, args.repeat)
         k, v = caches[-1]
-        expected = decode_attention_torch(q.float(), k.float().view(-1, *shape[2:]), v.float().view(-1, *shape[2:]),
-                                          meta, scale)
+        expected = decode_attention_torch(
+            q.float(), k.float().view(-1, *shape[2:]), v.float().view(-1, *shape[2:]), meta, scale
+        )
         error = (out.float() - expected).abs().max().item()
         gb = n * args.tokens * args.kv_heads * args.head_dim * 2 * dtype.itemsize * args.layers / 1e9
-        print(f"{name:9s} native {native_ms:7.2f} ms ({gb / native_ms * 1e3:5.1f} GB/s)   "
-              f"torch path {torch_ms:7.2f} ms ({gb / torch_ms * 1e3:5.1f} GB/s)   "
-              f"native / torch {torch_ms / native_ms:5.2f}x   max |diff| {error:.1e}")
+        print(
+            f"{name:9s} native {native_ms:7.2f} ms ({gb / native_ms * 1e3:5.1f} GB/s)   "
+            f"torch path {torch_ms:7.2f} ms ({gb / torch_ms * 1e3:5.1f} GB/s)   "
+            f"native / torch {torch_ms / native_ms:5.2f}x   max |diff| {error:.1e}"
+        )
 
 
 if __name__ == "__main__":

@@ -53,13 +53,21 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--long", type=int, default=6000, help="tokens of the long prompt")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threshold", type=int, default=None, help="the threshold to compare with 0 (default: the engine's)")
+    ap.add_argument(
+        "--threshold", type=int, default=None, help="the threshold to compare with 0 (default: the engine's)"
+    )
     args = ap.parse_args()
     rng = random.Random(0)
     rows = []
     for threshold in (0, args.threshold):
-        config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, enable_prefix_caching=False,
-                              kv_cache_tokens=max(16384, args.long + 1024), long_prefill_token_threshold=threshold)
+        config = EngineConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            enable_prefix_caching=False,
+            kv_cache_tokens=max(16384, args.long + 1024),
+            long_prefill_token_threshold=threshold,
+        )
         engine = Engine(config)
         engine.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_new_tokens=2))  # warm-up
         effective = engine.scheduler.config.long_prefill_token_threshold
@@ -70,8 +78,10 @@ def main() -> int:
             results.append(one_round(engine, long_prompt, short_prompt, f"{threshold}{r}"))
         rows.append((effective, engine.scheduler.config.max_num_batched_tokens, results))
         del engine
-    print(f"a {args.long}-token prompt, then an 8-token one after its first step; {args.rounds} rounds, "
-          f"median; device {args.device}, dtype {args.dtype}")
+    print(
+        f"a {args.long}-token prompt, then an 8-token one after its first step; {args.rounds} rounds, "
+        f"median; device {args.device}, dtype {args.dtype}"
+    )
     print(f"{'threshold':>9} {'budget':>7} {'short TTFT s':>13} {'long TTFT s':>12} {'steps':>6}")
     medians = []
     for effective, budget, results in rows:

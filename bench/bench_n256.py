@@ -46,15 +46,35 @@ from scheduler.model_runner import LoadedModel, ModelRunner  # noqa: E402
 from scheduler.models import build_model  # noqa: E402
 
 QWEN3_0_6B = dict(
-    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    bos_token_id=151643,
+    eos_token_id=151645,
 )
 
 
 # --smoke: the same family, small enough for a CPU (vocab still above N256's ids)
-SMOKE_CONFIG = dict(QWEN3_0_6B, vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=1, eos_token_id=2)
+SMOKE_CONFIG = dict(
+    QWEN3_0_6B,
+    vocab_size=10240,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 SMOKE_REQUESTS, SMOKE_PROMPT, SMOKE_OUTPUT = 6, 40, 12
 DEVICE = "cuda"  # "cpu" under --smoke
 SMOKE = False
@@ -65,7 +85,9 @@ def n256_workload() -> tuple[list[list[int]], list[int]]:
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
     max_tokens = [random.randint(100, 1024) for _ in range(256)]
     if SMOKE:
-        return [p[:SMOKE_PROMPT] for p in prompts[:SMOKE_REQUESTS]], [m % SMOKE_OUTPUT + 1 for m in max_tokens[:SMOKE_REQUESTS]]
+        return [p[:SMOKE_PROMPT] for p in prompts[:SMOKE_REQUESTS]], [
+            m % SMOKE_OUTPUT + 1 for m in max_tokens[:SMOKE_REQUESTS]
+        ]
     return prompts, max_tokens
 
 
@@ -127,9 +149,16 @@ def build_models():
 
 def run_engine(loaded: LoadedModel, args, overlap: bool = True, batched_tokens: int | None = None) -> dict:
     config = EngineConfig(
-        model="random-qwen3-0.6b", device=DEVICE, dtype="bfloat16", max_running_requests=args.max_running,
-        max_num_batched_tokens=batched_tokens or args.batched_tokens, kv_cache_memory=args.kv_memory, max_model_len=4096,
-        cuda_graph=not args.eager, overlap_schedule=overlap, small_batch_gemv=args.small_batch_gemv,
+        model="random-qwen3-0.6b",
+        device=DEVICE,
+        dtype="bfloat16",
+        max_running_requests=args.max_running,
+        max_num_batched_tokens=batched_tokens or args.batched_tokens,
+        kv_cache_memory=args.kv_memory,
+        max_model_len=4096,
+        cuda_graph=not args.eager,
+        overlap_schedule=overlap,
+        small_batch_gemv=args.small_batch_gemv,
     )
     t = time.perf_counter()
     engine = Engine(config, ModelRunner(config, loaded))
@@ -149,18 +178,27 @@ def run_engine(loaded: LoadedModel, args, overlap: bool = True, batched_tokens: 
     assert out_tokens == sum(max_tokens), (out_tokens, sum(max_tokens))
     ttft = sorted(c.token_times[0] - t0 for c in done)
     n256 = {
-        "wall_s": wall, "output_tokens": out_tokens, "tok_per_s": out_tokens / wall,
-        "ttft_p50_s": ttft[len(ttft) // 2], "steps": engine.stats.steps, "setup_s": setup_s,
-        "max_batch_size": engine.stats.max_batch_size, "preemptions": engine.scheduler.num_preemptions,
-        "kv_tokens": engine.kv.capacity_tokens, "triton_compiles_after_setup": compiles,
+        "wall_s": wall,
+        "output_tokens": out_tokens,
+        "tok_per_s": out_tokens / wall,
+        "ttft_p50_s": ttft[len(ttft) // 2],
+        "steps": engine.stats.steps,
+        "setup_s": setup_s,
+        "max_batch_size": engine.stats.max_batch_size,
+        "preemptions": engine.scheduler.num_preemptions,
+        "kv_tokens": engine.kv.capacity_tokens,
+        "triton_compiles_after_setup": compiles,
     }
     del engine
     return n256
 
 
 # (result key, small_batch_gemv, pdl): the batch-1 variants timed side by side
-BATCH1_VARIANTS = (("batch1", False, False), ("batch1_small_batch_gemv", True, False),
-                   ("batch1_small_batch_gemv_pdl", True, True))
+BATCH1_VARIANTS = (
+    ("batch1", False, False),
+    ("batch1_small_batch_gemv", True, False),
+    ("batch1_small_batch_gemv_pdl", True, True),
+)
 
 
 def run_batch1(loaded: LoadedModel, args, small_batch_gemv: bool = False, pdl: bool = False) -> dict:
@@ -169,8 +207,13 @@ def run_batch1(loaded: LoadedModel, args, small_batch_gemv: bool = False, pdl: b
     the fused small-batch projections (kernels/triton_gemv.py) instead of cuBLAS + norms;
     ``pdl``: their kernels launched as programmatic dependents."""
     config = EngineConfig(
-        model="random-qwen3-0.6b", device=DEVICE, dtype="bfloat16", max_running_requests=16,
-        kv_cache_memory=args.kv_memory if SMOKE else "2GiB", max_model_len=4096, cuda_graph=not args.eager,
+        model="random-qwen3-0.6b",
+        device=DEVICE,
+        dtype="bfloat16",
+        max_running_requests=16,
+        kv_cache_memory=args.kv_memory if SMOKE else "2GiB",
+        max_model_len=4096,
+        cuda_graph=not args.eager,
         small_batch_gemv=small_batch_gemv,
         pdl=pdl,
     )
@@ -178,8 +221,9 @@ def run_batch1(loaded: LoadedModel, args, small_batch_gemv: bool = False, pdl: b
     prompts, _ = n256_workload()
     engine.generate([prompts[0][:100]], SamplingParams(max_new_tokens=16, temperature=0.6, ignore_eos=True))
     prompt_len, steps = (SMOKE_PROMPT, SMOKE_OUTPUT) if SMOKE else (512, 256)
-    one = engine.generate([prompts[1][:prompt_len]],
-                          SamplingParams(max_new_tokens=steps + 1, temperature=0.6, ignore_eos=True))[0]
+    one = engine.generate(
+        [prompts[1][:prompt_len]], SamplingParams(max_new_tokens=steps + 1, temperature=0.6, ignore_eos=True)
+    )[0]
     gaps = [b - a for a, b in zip(one.token_times[1:], one.token_times[2:])]
     batch1 = {"engine_step_ms": 1e3 * statistics.median(gaps)}
     runner = engine.runner
@@ -187,7 +231,7 @@ def run_batch1(loaded: LoadedModel, args, small_batch_gemv: bool = False, pdl: b
         runner.graphs.load_inputs([1], [600], [list(range(1, 40))])
         hidden = runner.graphs.outputs[1]
         times = []
-        for i in range(220):
+        for _ in range(220):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             runner.graphs.graphs[1].replay()
@@ -207,8 +251,15 @@ def run_hf(hf, args) -> dict:
     hf.generation_config.pad_token_id = 0
     bsz = args.hf_batch
     # warm-up
-    hf.generate(torch.tensor([prompts[0][:100]], device=DEVICE), max_new_tokens=8, min_new_tokens=8,
-                do_sample=True, temperature=0.6, top_k=0, top_p=1.0)
+    hf.generate(
+        torch.tensor([prompts[0][:100]], device=DEVICE),
+        max_new_tokens=8,
+        min_new_tokens=8,
+        do_sample=True,
+        temperature=0.6,
+        top_k=0,
+        top_p=1.0,
+    )
     sync()
     t0 = time.perf_counter()
     counted, batches = 0, 0
@@ -218,16 +269,30 @@ def run_hf(hf, args) -> dict:
         ids = torch.tensor([[0] * (width - len(p)) + p for p in ps], device=DEVICE)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=DEVICE)
         n = max(outs)
-        hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=True,
-                    temperature=0.6, top_k=0, top_p=1.0)
+        hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=True,
+            temperature=0.6,
+            top_k=0,
+            top_p=1.0,
+        )
         sync()
         counted += sum(outs)
         batches += 1
         if time.perf_counter() - t0 > args.hf_time_limit:
             break
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "output_tokens": counted, "tok_per_s": counted / wall, "batch": bsz,
-            "batches_run": batches, "batches_total": -(-len(prompts) // bsz)}
+    return {
+        "wall_s": wall,
+        "output_tokens": counted,
+        "tok_per_s": counted / wall,
+        "batch": bsz,
+        "batches_run": batches,
+        "batches_total": -(-len(prompts) // bsz),
+    }
 
 
 def main() -> None:
@@ -235,19 +300,34 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", default="", help="comma list: hf")
     ap.add_argument("--hf-batch", type=int, default=64)
-    ap.add_argument("--hf-time-limit", type=float, default=240.0,
-                    help="stop HF after the batch that crosses this many seconds (rate from the batches run)")
+    ap.add_argument(
+        "--hf-time-limit",
+        type=float,
+        default=240.0,
+        help="stop HF after the batch that crosses this many seconds (rate from the batches run)",
+    )
     ap.add_argument("--max-running", type=int, default=256)
     ap.add_argument("--batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-memory", default="40GiB")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--small-batch-gemv", action="store_true",
-                    help="N256 with the fused small-batch projections (decode batches <= 16)")
+    ap.add_argument(
+        "--small-batch-gemv",
+        action="store_true",
+        help="N256 with the fused small-batch projections (decode batches <= 16)",
+    )
     ap.add_argument("--skip-plain", action="store_true", help="do not also run N256 without the overlap schedule")
-    ap.add_argument("--also-batched-tokens", type=int, nargs="*", default=[],
-                    help="also run N256 with these step token budgets (fewer, larger prefill steps)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a quick CPU run of every part with a tiny model (checks the script, measures nothing)")
+    ap.add_argument(
+        "--also-batched-tokens",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also run N256 with these step token budgets (fewer, larger prefill steps)",
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a quick CPU run of every part with a tiny model (checks the script, measures nothing)",
+    )
     args = ap.parse_args()
     if args.smoke:
         global DEVICE, SMOKE
@@ -286,15 +366,18 @@ def main() -> None:
     for budget in args.also_batched_tokens:  # prefill steps run eagerly: fewer of them, less host time
         other = attempt(f"n256_batched_tokens_{budget}", lambda: run_engine(loaded, args, batched_tokens=budget))
         if other is not None:
-            n256.setdefault("tok_per_s_by_batched_tokens", {args.batched_tokens: n256["tok_per_s"]})[budget] = other["tok_per_s"]
+            n256.setdefault("tok_per_s_by_batched_tokens", {args.batched_tokens: n256["tok_per_s"]})[budget] = other[
+                "tok_per_s"
+            ]
     for key, gemv, pdl in BATCH1_VARIANTS:
         # (an experimental variant must not cost the run's other numbers)
         batch1 = attempt(key, lambda: run_batch1(loaded, args, small_batch_gemv=gemv, pdl=pdl))
         if batch1 is None:
             continue
         floor_ms = 1e3 * batch1["weight_bytes"] / bw
-        batch1.update(copy_bandwidth_gbs=bw / 1e9, hbm_floor_ms=floor_ms,
-                      engine_step_x_floor=batch1["engine_step_ms"] / floor_ms)
+        batch1.update(
+            copy_bandwidth_gbs=bw / 1e9, hbm_floor_ms=floor_ms, engine_step_x_floor=batch1["engine_step_ms"] / floor_ms
+        )
         if "forward_lm_head_ms" in batch1:
             batch1["forward_x_floor"] = batch1["forward_lm_head_ms"] / floor_ms
         result[key] = batch1
@@ -307,32 +390,43 @@ def main() -> None:
             save()
 
     print(f"GPU: {gpu}, torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
-    print(f"N256 engine: {n256['output_tokens']} tokens in {n256['wall_s']:.2f} s = {n256['tok_per_s']:.0f} tok/s "
-          f"({n256['steps']} steps, max batch {n256['max_batch_size']}, preemptions {n256['preemptions']}, "
-          f"Triton compiles after start-up {n256['triton_compiles_after_setup']})")
+    print(
+        f"N256 engine: {n256['output_tokens']} tokens in {n256['wall_s']:.2f} s = {n256['tok_per_s']:.0f} tok/s "
+        f"({n256['steps']} steps, max batch {n256['max_batch_size']}, preemptions {n256['preemptions']}, "
+        f"Triton compiles after start-up {n256['triton_compiles_after_setup']})"
+    )
     for budget, rate in n256.get("tok_per_s_by_batched_tokens", {}).items():
         print(f"N256 with a step budget of {budget} tokens: {rate:.0f} tok/s")
     for key, part in result.items():  # secondary parts that failed (batch 1's are listed below)
         if isinstance(part, dict) and "error" in part and not key.startswith("batch1"):
             print(f"{key}: failed: {part['error']}")
     if "overlap_over_plain" in n256:
-        print(f"N256 without the overlap schedule: {n256['plain_schedule_tok_per_s']:.0f} tok/s "
-              f"(overlap / plain = {n256['overlap_over_plain']:.2f})")
+        print(
+            f"N256 without the overlap schedule: {n256['plain_schedule_tok_per_s']:.0f} tok/s "
+            f"(overlap / plain = {n256['overlap_over_plain']:.2f})"
+        )
     if "engine_over_hf" in result:
         h = result["n256_hf"]
-        print(f"N256 HF static batch {h['batch']}: {h['tok_per_s']:.0f} tok/s ({h['batches_run']}/{h['batches_total']} "
-              f"batches, {h['wall_s']:.1f} s); engine / HF = {result['engine_over_hf']:.1f}x")
-    labels = {"batch1": "cuBLAS + norms", "batch1_small_batch_gemv": "fused small-batch GEMVs",
-              "batch1_small_batch_gemv_pdl": "fused GEMVs, programmatic dependent launch"}
+        print(
+            f"N256 HF static batch {h['batch']}: {h['tok_per_s']:.0f} tok/s ({h['batches_run']}/{h['batches_total']} "
+            f"batches, {h['wall_s']:.1f} s); engine / HF = {result['engine_over_hf']:.1f}x"
+        )
+    labels = {
+        "batch1": "cuBLAS + norms",
+        "batch1_small_batch_gemv": "fused small-batch GEMVs",
+        "batch1_small_batch_gemv_pdl": "fused GEMVs, programmatic dependent launch",
+    }
     for key, _, _ in BATCH1_VARIANTS:
         label, b1 = labels[key], result[key]
         if "error" in b1:
             print(f"batch 1 ({label}): failed: {b1['error']}")
             continue
-        print(f"batch 1 ({label}): engine step {b1['engine_step_ms']:.3f} ms, forward+LM head "
-              f"{b1.get('forward_lm_head_ms', float('nan')):.3f} ms, HBM floor {b1['hbm_floor_ms']:.3f} ms "
-              f"({b1['weight_bytes'] / 1e9:.2f} GB weights): {b1['engine_step_x_floor']:.2f}x / "
-              f"{b1.get('forward_x_floor', float('nan')):.2f}x floor")
+        print(
+            f"batch 1 ({label}): engine step {b1['engine_step_ms']:.3f} ms, forward+LM head "
+            f"{b1.get('forward_lm_head_ms', float('nan')):.3f} ms, HBM floor {b1['hbm_floor_ms']:.3f} ms "
+            f"({b1['weight_bytes'] / 1e9:.2f} GB weights): {b1['engine_step_x_floor']:.2f}x / "
+            f"{b1.get('forward_x_floor', float('nan')):.2f}x floor"
+        )
     save()
 
 

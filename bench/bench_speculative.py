@@ -31,15 +31,23 @@ from scheduler.messages import AddRequest, SamplingParams  # noqa: E402
 from scheduler.model_runner import ModelRunner, load_model  # noqa: E402
 from scheduler.stop_strings import load_tokenizer  # noqa: E402
 
-SUBJECTS = ("a lighthouse keeper", "a retired pilot", "a young baker", "a lost robot", "a city gardener",
-            "a night nurse", "a chess champion", "a travelling musician")
-EVENTS = ("finds a message in a bottle", "wins an unexpected prize", "moves to a new town",
-          "meets an old friend")
+SUBJECTS = (
+    "a lighthouse keeper",
+    "a retired pilot",
+    "a young baker",
+    "a lost robot",
+    "a city gardener",
+    "a night nurse",
+    "a chess champion",
+    "a travelling musician",
+)
+EVENTS = ("finds a message in a bottle", "wins an unexpected prize", "moves to a new town", "meets an old friend")
 
 
 def chat_prompt(tokenizer, text: str) -> list[int]:
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
@@ -49,7 +57,9 @@ def workloads(tokenizer) -> dict[str, list[int]]:
     rng = random.Random(0)
     return {
         "quote": chat_prompt(tokenizer, "Repeat the following text exactly, word for word:\n\n" + passage),
-        "chat": chat_prompt(tokenizer, "Write a short story about a lighthouse keeper who finds a message in a bottle."),
+        "chat": chat_prompt(
+            tokenizer, "Write a short story about a lighthouse keeper who finds a message in a bottle."
+        ),
         "random": [rng.randint(100, 40000) for _ in range(200)],
     }
 
@@ -64,8 +74,9 @@ def decode_rate(engine: Engine, prompts: list[list[int]], tokens: int) -> tuple[
     submitted together."""
     ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
-        engine.add_request(AddRequest(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=tokens,
-                                                                  ignore_eos=True)))
+        engine.add_request(
+            AddRequest(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True))
+        )
     out = {rid: [] for rid in ids}
     first_at = None
     while engine.has_work():
@@ -85,12 +96,21 @@ def main() -> int:
     ap.add_argument("--drafts", type=int, default=3, help="--speculative-num-draft-tokens")
     ap.add_argument("--batch", type=int, default=32, help="open questions at once in the last workload (0: none)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="runs of each workload, the engines' order rotated each round; the median is shown "
-                    "(an engine run second measured 2-4%% faster than run first, either way round)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of each workload, the engines' order rotated each round; the median is shown "
+        "(an engine run second measured 2-4%% faster than run first, either way round)",
+    )
     args = ap.parse_args()
-    base = dict(model=args.model, device="cpu", dtype=args.dtype, kv_cache_tokens=max(8192, 400 * args.batch),
-                num_threads=args.threads)
+    base = dict(
+        model=args.model,
+        device="cpu",
+        dtype=args.dtype,
+        kv_cache_tokens=max(8192, 400 * args.batch),
+        num_threads=args.threads,
+    )
     loaded = load_model(EngineConfig(**base))
     engines = {}
     for name, spec in (("plain", None), ("ngram always", "ngram"), ("ngram", "ngram")):
@@ -103,13 +123,15 @@ def main() -> int:
     runs = {name: [prompt] for name, prompt in workloads(tokenizer).items()}
     if args.batch:
         runs[f"chat x{args.batch}"] = open_questions(tokenizer, args.batch)
-    print(f"{args.tokens} greedy tokens per request, {args.drafts} drafts, dtype {args.dtype}, {args.threads} threads;"
-          " decode tok/s (ratio to plain) and steps")
+    print(
+        f"{args.tokens} greedy tokens per request, {args.drafts} drafts, dtype {args.dtype}, {args.threads} threads;"
+        " decode tok/s (ratio to plain) and steps"
+    )
     print(f"{'workload':>9} " + " ".join(f"{name:>22}" for name in engines) + f" {'same tokens':>12}")
     for name, prompts in runs.items():
         rounds = {engine: [] for engine in engines}
         for r in range(args.rounds):
-            order = list(engines)[r % len(engines):] + list(engines)[: r % len(engines)]
+            order = list(engines)[r % len(engines) :] + list(engines)[: r % len(engines)]
             for engine in order:
                 rounds[engine].append(decode_rate(engines[engine], prompts, args.tokens))
         results = {engine: sorted(runs_, key=lambda run: run[0])[len(runs_) // 2] for engine, runs_ in rounds.items()}

@@ -67,8 +67,9 @@ def w64_workload(n: int = 64) -> list[tuple[list[int], int]]:
 
 
 # Sampled requests of --sampling mixed (odd request i also gets seed=i).
-MIXED_SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=40, repetition_penalty=1.1,
-                     frequency_penalty=0.2, presence_penalty=0.1)
+MIXED_SAMPLED = dict(
+    temperature=0.8, top_p=0.9, top_k=40, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1
+)
 
 
 def request_params(i: int, n: int, sampling: str) -> dict:
@@ -92,32 +93,48 @@ def summarize(name: str, wall: float, per_request: list[tuple[float, float, int]
             "p99": xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))],
         }
 
-    return {"name": name, "wall_s": wall, "output_tokens": total, "tok_per_s": total / wall,
-            "ttft_s": stats(ttft), "itl_s": stats(itl)}
+    return {
+        "name": name,
+        "wall_s": wall,
+        "output_tokens": total,
+        "tok_per_s": total / wall,
+        "ttft_s": stats(ttft),
+        "itl_s": stats(itl),
+    }
 
 
 # -- (a) offline engine -------------------------------------------------------------------
 def single(run, **kw):
     """``run`` on W64's first request alone: one user's latency (key suffix ``_1req``)."""
+
     def run_one(work, args, dtype: str = "auto") -> dict:
         r = run(work[:1], args, dtype=dtype, **kw)
         r["name"] = r["name"].replace("(offline", "(offline, 1 request").replace("batch 16", "batch 1")
         return r
+
     return run_one
 
 
 def run_engine(work, args, sampling: str = "greedy", dtype: str = "auto") -> dict:
     from scheduler.engine import Engine
 
-    config = EngineConfig(model=args.model, device=args.device, dtype=dtype, max_running_requests=len(work),
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          long_prefill_token_threshold=args.long_prefill_token_threshold,
-                          speculative_algorithm=args.speculative_algorithm,
-                          kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads)
+    config = EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=dtype,
+        max_running_requests=len(work),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        speculative_algorithm=args.speculative_algorithm,
+        kv_cache_tokens=args.kv_cache_tokens,
+        num_threads=args.threads,
+    )
     engine = Engine(config)
     engine.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_new_tokens=4))  # warm-up
     if sampling == "mixed":  # warm the sampled path too (penalties, seeded rows) before timing
-        engine.generate([[1, 2, 3, 4], [5, 6, 7, 8]], [SamplingParams(**request_params(i, 4, "mixed")) for i in range(2)])
+        engine.generate(
+            [[1, 2, 3, 4], [5, 6, 7, 8]], [SamplingParams(**request_params(i, 4, "mixed")) for i in range(2)]
+        )
     params = [SamplingParams(**request_params(i, n, sampling)) for i, (_, n) in enumerate(work)]
     t0 = time.perf_counter()
     results = engine.generate([p for p, _ in work], params)
@@ -153,7 +170,9 @@ async def _grpc_load(port: int, work, sampling: str = "greedy") -> tuple[float, 
             if seed is not None:
                 sp.custom_params.update({"seed": seed})
             req = pb.GenerateRequest(
-                request_id=f"bench-{i}", tokenized=pb.TokenizedInput(input_ids=prompt), stream=True,
+                request_id=f"bench-{i}",
+                tokenized=pb.TokenizedInput(input_ids=prompt),
+                stream=True,
                 sampling_params=sp,
             )
             first = last = None
@@ -185,14 +204,29 @@ def _children(pid: int) -> list[int]:
 
 
 def run_daemon(work, args, sampling: str = "greedy", dtype: str = "auto") -> dict:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
     import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     port = _free_port()
-    cmd = [sys.executable, "-m", "servicer", "--model", args.model, "--port", str(port), "--device", args.device,
-           "--dtype", dtype,
-           "--max-running-requests", str(len(work)), "--kv-cache-tokens", str(args.kv_cache_tokens),
-           "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "servicer",
+        "--model",
+        args.model,
+        "--port",
+        str(port),
+        "--device",
+        args.device,
+        "--dtype",
+        dtype,
+        "--max-running-requests",
+        str(len(work)),
+        "--kv-cache-tokens",
+        str(args.kv_cache_tokens),
+        "--log-level",
+        "warning",
+    ]
     if args.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.long_prefill_token_threshold is not None:
@@ -227,7 +261,11 @@ def run_daemon(work, args, sampling: str = "greedy", dtype: str = "auto") -> dic
         cpu = {k: round(_cpu_seconds(p) - cpu0[k], 1) for k, p in pids.items()}
         cpu["client"] = round(time.process_time() - client0, 1)
         assert all(n == want for (_, _, n), (_, want) in zip(results, work))
-        name = f"daemon (gRPC, 64 in flight{dtype_label(dtype)})" if sampling == "greedy" else f"daemon (gRPC, 64 in flight, {sampling})"
+        name = (
+            f"daemon (gRPC, 64 in flight{dtype_label(dtype)})"
+            if sampling == "greedy"
+            else f"daemon (gRPC, 64 in flight, {sampling})"
+        )
         out = summarize(name, wall, results)
         out["cpu_s"] = cpu
         out["sampling"] = sampling
@@ -250,10 +288,13 @@ def run_hf(work, args, batch_size: int = 16, dtype: str = "auto") -> dict:
     path = resolve_model(args.model)
     device = torch.device("cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
     if path.endswith(".gguf"):
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                     dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+        )
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16
+        )
     if device.type == "cpu" and dtype != "auto":  # (auto: fp32 on the CPU, bf16 on a GPU, as loaded)
         model = model.to(getattr(torch, dtype))
     model = model.to(device).eval()
@@ -279,8 +320,15 @@ def run_hf(work, args, batch_size: int = 16, dtype: str = "auto") -> dict:
         steps = max(n for _, n in batch)
         clock = StepClock()
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=steps,
-                           min_new_tokens=steps, logits_processor=LogitsProcessorList([clock]), pad_token_id=pad)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                logits_processor=LogitsProcessorList([clock]),
+                pad_token_id=pad,
+            )
         for _, n in batch:
             results.append((clock.times[0] - t0, clock.times[n - 1] - t0, n))
     wall = time.perf_counter() - t0
@@ -295,19 +343,34 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch threads (W64 specifies 2)")
     ap.add_argument("--kv-cache-tokens", type=int, default=32768)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's own")
-    ap.add_argument("--long-prefill-token-threshold", type=int, default=None,
-                    help="default: the engine's own (half the step budget); 0: off")
+    ap.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="default: the engine's own (half the step budget); 0: off",
+    )
     ap.add_argument("--speculative-algorithm", choices=["ngram"], default=None, help="default: off")
     ap.add_argument("--skip", default="", help="comma list of engine,daemon,hf to skip (in every dtype)")
     ap.add_argument("--json", default=None, help="write the numbers to this file")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="rounds of the engine and daemon runs, interleaved; each reports its upper median (HF runs once)")
-    ap.add_argument("--sampling", choices=("greedy", "mixed", "both"), default="greedy",
-                    help="greedy: all greedy (W64); mixed: alternate greedy and sampled+penalties for (a) and (b); "
-                         "both: (a) all-greedy and mixed side by side with the ratio (b, c stay greedy)")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of the engine and daemon runs, interleaved; each reports its upper median (HF runs once)",
+    )
+    ap.add_argument(
+        "--sampling",
+        choices=("greedy", "mixed", "both"),
+        default="greedy",
+        help="greedy: all greedy (W64); mixed: alternate greedy and sampled+penalties for (a) and (b); "
+        "both: (a) all-greedy and mixed side by side with the ratio (b, c stay greedy)",
+    )
     ap.add_argument("--no-single", action="store_true", help="skip the single-request latency runs")
-    ap.add_argument("--dtypes", default=None,
-                    help="comma list of float32,bfloat16 (default: both where the CPU has bf16 instructions)")
+    ap.add_argument(
+        "--dtypes",
+        default=None,
+        help="comma list of float32,bfloat16 (default: both where the CPU has bf16 instructions)",
+    )
     args = ap.parse_args()
     default_dtypes = "float32,bfloat16" if args.device == "cpu" and cpu_has_bf16() else "float32"
     dtypes = list(dict.fromkeys(d.strip() for d in (args.dtypes or default_dtypes).split(",")))
@@ -315,29 +378,38 @@ def main() -> int:
         ap.error(f"--dtypes: choose from {', '.join(SHORT)}")
     torch.set_num_threads(args.threads)
     work = w64_workload()[: args.requests]
-    print(f"W64: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
-          f"{sum(n for _, n in work)} output tokens, {args.threads} threads, device {args.device}, "
-          f"sampling {args.sampling}, dtypes {','.join(dtypes)}", flush=True)
+    print(
+        f"W64: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
+        f"{sum(n for _, n in work)} output tokens, {args.threads} threads, device {args.device}, "
+        f"sampling {args.sampling}, dtypes {','.join(dtypes)}",
+        flush=True,
+    )
     skip = set(filter(None, args.skip.split(",")))
     served = "greedy" if args.sampling == "both" else args.sampling  # what (b) runs
     plan = []
     if "float32" in dtypes:
         if args.sampling == "both":
-            plan += [("engine", lambda w, a: run_engine(w, a, "greedy")),
-                     ("engine_mixed", lambda w, a: run_engine(w, a, "mixed"))]
+            plan += [
+                ("engine", lambda w, a: run_engine(w, a, "greedy")),
+                ("engine_mixed", lambda w, a: run_engine(w, a, "mixed")),
+            ]
         else:
             plan.append(("engine", lambda w, a: run_engine(w, a, args.sampling)))
         plan += [("daemon", lambda w, a: run_daemon(w, a, served)), ("hf", run_hf)]
     for dtype in dtypes:  # the other dtypes: (a), (b), (c) greedy, as W64 specifies
         if SHORT[dtype]:
-            plan += [(f"{kind}_{SHORT[dtype]}", lambda w, a, fn=fn, dtype=dtype: fn(w, a, dtype=dtype))
-                     for kind, fn in (("engine", run_engine), ("daemon", run_daemon), ("hf", run_hf))]
+            plan += [
+                (f"{kind}_{SHORT[dtype]}", lambda w, a, fn=fn, dtype=dtype: fn(w, a, dtype=dtype))
+                for kind, fn in (("engine", run_engine), ("daemon", run_daemon), ("hf", run_hf))
+            ]
     if not args.no_single:
         for dtype in dtypes:
             suffix = f"_1req_{SHORT[dtype]}" if SHORT[dtype] else "_1req"
             run_dtype = dtype if SHORT[dtype] else "auto"  # the plain runs' dtype
-            plan += [(kind + suffix, lambda w, a, fn=fn, dtype=run_dtype: fn(w, a, dtype=dtype))
-                     for kind, fn in (("engine", single(run_engine)), ("hf", single(run_hf, batch_size=1)))]
+            plan += [
+                (kind + suffix, lambda w, a, fn=fn, dtype=run_dtype: fn(w, a, dtype=dtype))
+                for kind, fn in (("engine", single(run_engine)), ("hf", single(run_hf, batch_size=1)))
+            ]
     # --repeat N runs the engine and daemon rounds N times, interleaved (E D E D ...), and keeps
     # each one's median: this machine's speed drifts by +-10% over minutes, so a single pair
     # can show a daemon/engine ratio the code does not cause.
@@ -356,19 +428,24 @@ def main() -> int:
             runs[key]["all_tok_per_s"] = [round(r["tok_per_s"], 1) for r in rs]
 
     base = runs.get("hf")
-    print(f"\n{'run':40s} {'tok/s':>8s} {'x HF':>6s} {'x its HF':>9s} {'TTFT mean/p50/p99 (s)':>24s} "
-          f"{'ITL mean/p50/p99 (ms)':>24s}")
+    print(
+        f"\n{'run':40s} {'tok/s':>8s} {'x HF':>6s} {'x its HF':>9s} {'TTFT mean/p50/p99 (s)':>24s} "
+        f"{'ITL mean/p50/p99 (ms)':>24s}"
+    )
     for key, r in runs.items():
         ratio = f"{r['tok_per_s'] / base['tok_per_s']:.2f}" if base else "-"
         # Its own HF baseline: the HF run of the same dtype and batching ("engine_1req_bf16" ->
         # "hf_1req_bf16"), else (a sampling variant) the plain one.
-        same = runs.get("hf" + key[len(key.split("_")[0]):], base)
+        same = runs.get("hf" + key[len(key.split("_")[0]) :], base)
         r["x_hf"] = r["tok_per_s"] / base["tok_per_s"] if base else None
         r["x_its_hf"] = r["tok_per_s"] / same["tok_per_s"] if same else None
         same_ratio = f"{r['x_its_hf']:.2f}" if same else "-"
         t, i = r["ttft_s"], r["itl_s"]
-        print(f"{r['name']:40s} {r['tok_per_s']:8.1f} {ratio:>6s} {same_ratio:>9s} "
-              f"{t['mean']:8.2f}/{t['p50']:.2f}/{t['p99']:.2f} {i['mean'] * 1e3:9.1f}/{i['p50'] * 1e3:.1f}/{i['p99'] * 1e3:.1f}")
+        print(
+            f"{r['name']:40s} {r['tok_per_s']:8.1f} {ratio:>6s} {same_ratio:>9s} "
+            f"{t['mean']:8.2f}/{t['p50']:.2f}/{t['p99']:.2f} "
+            f"{i['mean'] * 1e3:9.1f}/{i['p50'] * 1e3:.1f}/{i['p99'] * 1e3:.1f}"
+        )
     print("x HF: against HF fp32 static batch 16; x its HF: against the HF run of the same dtype and batch")
     if "engine" in runs and "engine_bf16" in runs:
         print(f"engine bf16 / fp32 throughput: {runs['engine_bf16']['tok_per_s'] / runs['engine']['tok_per_s']:.3f}")
@@ -377,13 +454,21 @@ def main() -> int:
         if args.repeat > 1:
             pairs = [d["tok_per_s"] / e["tok_per_s"] for e, d in zip(samples["engine"], samples["daemon"])]
             print(f"  per round: {', '.join(f'{x:.3f}' for x in pairs)}")
-    doc = {"workload": "W64", "device": args.device, "threads": args.threads, "sampling": args.sampling,
-           "dtypes": dtypes, "runs": runs}
+    doc = {
+        "workload": "W64",
+        "device": args.device,
+        "threads": args.threads,
+        "sampling": args.sampling,
+        "dtypes": dtypes,
+        "runs": runs,
+    }
     if "engine" in runs and "engine_mixed" in runs:
         g, m = runs["engine"]["tok_per_s"], runs["engine_mixed"]["tok_per_s"]
         doc["engine_mixed_over_greedy"] = ratio = m / g
-        print(f"\nengine greedy {g:.1f} tok/s | mixed {m:.1f} tok/s | mixed / greedy {ratio:.3f} "
-              f"(issue 5: >= 0.90 -> {'OK' if ratio >= 0.90 else 'OVER BUDGET'})")
+        print(
+            f"\nengine greedy {g:.1f} tok/s | mixed {m:.1f} tok/s | mixed / greedy {ratio:.3f} "
+            f"(issue 5: >= 0.90 -> {'OK' if ratio >= 0.90 else 'OVER BUDGET'})"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)

@@ -44,9 +44,18 @@ def build_checkpoint(out: str, tokenizer_dir: str, layers: int, device: str) -> 
 
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     config = transformers.Qwen3Config(
-        vocab_size=len(tok), hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
-        rope_theta=1e6, tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        vocab_size=len(tok),
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
     )
     torch.manual_seed(0)
     with torch.device(device):
@@ -58,10 +67,23 @@ def build_checkpoint(out: str, tokenizer_dir: str, layers: int, device: str) -> 
 
 
 def request(ids, max_new, rid, stream=False, temperature=0.0, n=1, ignore_eos=True):
-    sp = pb.SamplingParams(top_p=1.0, top_k=-1, repetition_penalty=1.0, max_new_tokens=max_new, n=n,
-                           temperature=temperature, ignore_eos=ignore_eos, skip_special_tokens=True)
-    return pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=list(ids)),
-                              sampling_params=sp, stream=stream, logprob_start_len=-1)
+    sp = pb.SamplingParams(
+        top_p=1.0,
+        top_k=-1,
+        repetition_penalty=1.0,
+        max_new_tokens=max_new,
+        n=n,
+        temperature=temperature,
+        ignore_eos=ignore_eos,
+        skip_special_tokens=True,
+    )
+    return pb.GenerateRequest(
+        request_id=rid,
+        tokenized=pb.TokenizedInput(input_ids=list(ids)),
+        sampling_params=sp,
+        stream=stream,
+        logprob_start_len=-1,
+    )
 
 
 def completes(stub, req, timeout=300):
@@ -106,8 +128,25 @@ def main() -> None:
         port = s.getsockname()[1]
     addr = f"127.0.0.1:{port}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
-    daemon = subprocess.Popen([sys.executable, "-m", "servicer", "--model", args.model_dir, "--device", args.device,
-                               "--port", str(port), "--max-running-requests", "64", "--max-model-len", "4096"], env=env, start_new_session=True)
+    daemon = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "servicer",
+            "--model",
+            args.model_dir,
+            "--device",
+            args.device,
+            "--port",
+            str(port),
+            "--max-running-requests",
+            "64",
+            "--max-model-len",
+            "4096",
+        ],
+        env=env,
+        start_new_session=True,
+    )
     try:
         channel = grpc.insecure_channel(addr)
         health = health_pb2_grpc.HealthStub(channel)
@@ -121,8 +160,11 @@ def main() -> None:
             except grpc.RpcError:
                 pass
             time.sleep(0.5)
-        check("serving after warm-up", status == health_pb2.HealthCheckResponse.SERVING,
-              f"{time.perf_counter() - t:.1f} s")
+        check(
+            "serving after warm-up",
+            status == health_pb2.HealthCheckResponse.SERVING,
+            f"{time.perf_counter() - t:.1f} s",
+        )
         stub = pb_grpc.SglangSchedulerStub(channel)
         info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
         print("server info:", str(info)[:600].replace("\n", " "), flush=True)
@@ -141,15 +183,22 @@ def main() -> None:
         check("n=2 sampling", sorted(c.index for c in two) == [0, 1] and all(len(c.output_ids) == 24 for c in two))
 
         wall, tokens, ok = asyncio.run(concurrent(addr, args.requests))
-        check(f"{args.requests} concurrent streams complete", ok, f"{tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s")
+        check(
+            f"{args.requests} concurrent streams complete",
+            ok,
+            f"{tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s",
+        )
 
         call = stub.Generate(request(prompt, 2000, "ab1", stream=True), timeout=300)
         first = next(call)
         stub.Abort(pb.AbortRequest(request_id="ab1"), timeout=10)
         rest = list(call)
         kinds = [m.WhichOneof("response") for m in [first, *rest]]
-        check("abort mid-stream", kinds[-1] == "complete" and rest[-1].complete.finish_reason == "abort",
-              f"{len(kinds)} messages")
+        check(
+            "abort mid-stream",
+            kinds[-1] == "complete" and rest[-1].complete.finish_reason == "abort",
+            f"{len(kinds)} messages",
+        )
         time.sleep(0.5)
         loads = stub.GetLoads(pb.GetLoadsRequest(), timeout=10)
         print("loads:", str(loads)[:500].replace("\n", " "), flush=True)

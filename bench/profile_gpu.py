@@ -40,7 +40,9 @@ def attention_probe() -> None:
     v = torch.randn_like(k)
     # In CUDA graphs, as the decode steps run: without them a batch-1 launch is host-bound.
     bench = getattr(triton.testing, "do_bench_cudagraph", None)
-    bench = bench or (lambda fn, rep, return_mode: triton.testing.do_bench(fn, warmup=20, rep=rep, return_mode=return_mode))
+    bench = bench or (
+        lambda fn, rep, return_mode: triton.testing.do_bench(fn, warmup=20, rep=rep, return_mode=return_mode)
+    )
     print(f"{'B':>4} {'ctx':>5} {'tile':>4} {'warps':>5} {'splits':>6} {'us':>8} {'GB/s':>6}")
     for B, ctx in ((1, 600), (1, 2000), (8, 1000), (64, 1000), (256, 1000)):
         per = -(-ctx // BS)
@@ -58,10 +60,23 @@ def attention_probe() -> None:
         for tile in (32, 64, 128):
             for warps in (2, 4, 8):
                 for splits in sorted({1, auto}):
+
                     def fn(tile=tile, warps=warps, splits=splits):
                         for table in tables:
-                            unified_attention(q, k, v, table, qsl, seq, D**-0.5, max_query_len=1, tile_n=tile,
-                                              num_warps=warps, num_splits=splits)
+                            unified_attention(
+                                q,
+                                k,
+                                v,
+                                table,
+                                qsl,
+                                seq,
+                                D**-0.5,
+                                max_query_len=1,
+                                tile_n=tile,
+                                num_warps=warps,
+                                num_splits=splits,
+                            )
+
                     try:
                         ms = bench(fn, rep=100, return_mode="median") / sets
                     except Exception as e:  # noqa: BLE001
@@ -88,10 +103,16 @@ def gemv_probe() -> None:
     layers, hidden, inter, qkv_out = 28, 1024, 3072, (16 + 2 * 8) * 128
     dev, bf = "cuda", torch.bfloat16
     # (name, weight [out, in], fused norm?, gate_up?)
-    shapes = [("norm+qkv", (qkv_out, hidden), True, False), ("o_proj", (hidden, 16 * 128), False, False),
-              ("norm+gate_up+silu", (2 * inter, hidden), True, True), ("down", (hidden, inter), False, False)]
-    print(f"{'proj':<18} {'M':>3} {'torch us':>9} {'best us':>8} {'GB/s':>6} {'block_n':>7} {'block_k':>7} {'pdl us':>7}"
-          "  (per layer)")
+    shapes = [
+        ("norm+qkv", (qkv_out, hidden), True, False),
+        ("o_proj", (hidden, 16 * 128), False, False),
+        ("norm+gate_up+silu", (2 * inter, hidden), True, True),
+        ("down", (hidden, inter), False, False),
+    ]
+    print(
+        f"{'proj':<18} {'M':>3} {'torch us':>9} {'best us':>8} {'GB/s':>6} {'block_n':>7} {'block_k':>7} {'pdl us':>7}"
+        "  (per layer)"
+    )
     for name, (n_out, k_in), norm, gate_up in shapes:
         ws = [torch.randn(n_out, k_in, device=dev, dtype=bf) / k_in**0.5 for _ in range(layers)]
         nw = torch.ones(k_in, device=dev, dtype=bf)
@@ -110,10 +131,21 @@ def gemv_probe() -> None:
             best = None
             for bn in (16, 32, 64):
                 for bk in (64, 128, 256):
+
                     def fused(bn=bn, bk=bk):
                         for w in ws:
-                            small_batch_linear(x, w, None, nw if norm else None, r if norm else None, 1e-6, gate_up,
-                                               block_n=bn, block_k=bk)
+                            small_batch_linear(
+                                x,
+                                w,
+                                None,
+                                nw if norm else None,
+                                r if norm else None,
+                                1e-6,
+                                gate_up,
+                                block_n=bn,
+                                block_k=bk,
+                            )
+
                     try:
                         ms = bench(fused) / layers
                     except Exception as e:  # noqa: BLE001
@@ -125,23 +157,36 @@ def gemv_probe() -> None:
                 continue
             pdl_ms = float("nan")
             if torch.cuda.get_device_capability()[0] >= 9:  # the best blocks, launched as programmatic dependents
+
                 def chained(bn=best[1], bk=best[2]):
                     for w in ws:
-                        small_batch_linear(x, w, None, nw if norm else None, r if norm else None, 1e-6, gate_up,
-                                           block_n=bn, block_k=bk, pdl=True)
+                        small_batch_linear(
+                            x,
+                            w,
+                            None,
+                            nw if norm else None,
+                            r if norm else None,
+                            1e-6,
+                            gate_up,
+                            block_n=bn,
+                            block_k=bk,
+                            pdl=True,
+                        )
+
                 try:
                     pdl_ms = bench(chained) / layers
                 except Exception as e:  # noqa: BLE001
                     print(f"{name:<18} {m:>3} pdl failed: {str(e)[:120]}")
             gbs = ws[0].numel() * 2 / best[0] / 1e6
-            print(f"{name:<18} {m:>3} {ref_ms * 1e3:>9.1f} {best[0] * 1e3:>8.1f} {gbs:>6.0f} {best[1]:>7} {best[2]:>7}"
-                  f" {pdl_ms * 1e3:>7.1f}")
+            print(
+                f"{name:<18} {m:>3} {ref_ms * 1e3:>9.1f} {best[0] * 1e3:>8.1f} {gbs:>6.0f} {best[1]:>7} {best[2]:>7}"
+                f" {pdl_ms * 1e3:>7.1f}"
+            )
         del ws
 
 
 def step_probe() -> None:
     from bench_n256 import build_models, n256_workload
-
     from scheduler.config import EngineConfig
     from scheduler.engine import Engine
     from scheduler.messages import SamplingParams
@@ -149,9 +194,16 @@ def step_probe() -> None:
 
     _, loaded = build_models()
     # The timers synchronise at every boundary, which defeats the overlap schedule: off here.
-    config = EngineConfig(model="x", device="cuda", dtype="bfloat16", max_running_requests=256,
-                          max_num_batched_tokens=8192, kv_cache_memory="40GiB", max_model_len=4096,
-                          overlap_schedule=False)
+    config = EngineConfig(
+        model="x",
+        device="cuda",
+        dtype="bfloat16",
+        max_running_requests=256,
+        max_num_batched_tokens=8192,
+        kv_cache_memory="40GiB",
+        max_model_len=4096,
+        overlap_schedule=False,
+    )
     engine = Engine(config, ModelRunner(config, loaded))
     engine.generate([[5] * 100], SamplingParams(max_new_tokens=4, temperature=0.6, ignore_eos=True))
     totals: dict[str, float] = defaultdict(float)
@@ -166,6 +218,7 @@ def step_probe() -> None:
             totals[name] += time.perf_counter() - t
             counts[name] += 1
             return r
+
         return wrapper
 
     engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
@@ -185,7 +238,10 @@ def step_probe() -> None:
     wall = time.perf_counter() - t0
     print(f"N256 with timers: {wall:.2f} s, {engine.stats.steps} steps")
     for name in sorted(totals, key=totals.get, reverse=True):
-        print(f"  {name:<14} {totals[name]:7.2f} s  {counts[name]:5d} calls  {1e3 * totals[name] / counts[name]:7.3f} ms/call")
+        print(
+            f"  {name:<14} {totals[name]:7.2f} s  {counts[name]:5d} calls  "
+            f"{1e3 * totals[name] / counts[name]:7.3f} ms/call"
+        )
 
 
 def torch_profile() -> None:
@@ -193,15 +249,21 @@ def torch_profile() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from bench_n256 import build_models, n256_workload
-
     from scheduler.config import EngineConfig
     from scheduler.engine import Engine
     from scheduler.messages import AddRequest, SamplingParams
     from scheduler.model_runner import ModelRunner
 
     _, loaded = build_models()
-    config = EngineConfig(model="x", device="cuda", dtype="bfloat16", max_running_requests=256,
-                          max_num_batched_tokens=8192, kv_cache_memory="40GiB", max_model_len=4096)
+    config = EngineConfig(
+        model="x",
+        device="cuda",
+        dtype="bfloat16",
+        max_running_requests=256,
+        max_num_batched_tokens=8192,
+        kv_cache_memory="40GiB",
+        max_model_len=4096,
+    )
     engine = Engine(config, ModelRunner(config, loaded))
     engine.generate([[5] * 100], SamplingParams(max_new_tokens=4, temperature=0.6, ignore_eos=True))
     prompts, max_tokens = n256_workload()
@@ -209,7 +271,10 @@ def torch_profile() -> None:
         engine.add_request(AddRequest(f"r{i}", p, SamplingParams(max_new_tokens=m, temperature=0.6, ignore_eos=True)))
     for phase, steps in (("prefill (eager) steps", 3), ("decode (graph) steps", 0)):
         if phase.startswith("decode"):
-            while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
+            while (
+                any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
+                or engine.scheduler.waiting
+            ):
                 engine.step()
             steps = 10
         torch.cuda.synchronize()
@@ -219,7 +284,10 @@ def torch_profile() -> None:
                 engine.step()
             torch.cuda.synchronize()
         wall = time.perf_counter() - t
-        print(f"== {phase}: {steps} steps, {1e3 * wall / steps:.2f} ms/step (profiled), batch {len(engine.scheduler.running)}")
+        print(
+            f"== {phase}: {steps} steps, {1e3 * wall / steps:.2f} ms/step (profiled), "
+            f"batch {len(engine.scheduler.running)}"
+        )
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
@@ -228,7 +296,12 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip", default="")
     skip = ap.parse_args().skip.split(",")
-    for name, probe in (("attn", attention_probe), ("gemv", gemv_probe), ("steps", step_probe), ("prof", torch_profile)):
+    for name, probe in (
+        ("attn", attention_probe),
+        ("gemv", gemv_probe),
+        ("steps", step_probe),
+        ("prof", torch_profile),
+    ):
         if name not in skip:
             probe()
             gc.collect()  # (step_probe's timers hold its 40 GiB engine in a reference cycle)

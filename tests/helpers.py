@@ -22,8 +22,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SRC_DIR = REPO_ROOT / "src"
@@ -110,10 +110,10 @@ def proc_stats() -> Iterator[tuple[int, list[str]]]:
             stat = (d / "stat").read_text()
         except OSError:
             continue
-        yield int(d.name), stat[stat.rfind(")") + 2:].split()  # comm may hold spaces and parentheses
+        yield int(d.name), stat[stat.rfind(")") + 2 :].split()  # comm may hold spaces and parentheses
 
 
-def _group_members(pgid: int) -> Optional[list[int]]:
+def _group_members(pgid: int) -> list[int] | None:
     """Live (non-zombie) pids of process group `pgid`, from /proc; None without /proc."""
     if not Path("/proc/self/stat").exists():
         return None
@@ -184,12 +184,12 @@ class _ManagedProcess:
 
     name = "process"
 
-    def __init__(self, log_dir: Optional[os.PathLike] = None):
+    def __init__(self, log_dir: os.PathLike | None = None):
         self._own_log_dir = log_dir is None
         self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix=f"e2e-{self.name}-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"{self.name}.log"
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
         self.cmd: list[str] = []
 
     def _spawn(self, cmd: list[str], env: dict) -> None:
@@ -249,11 +249,11 @@ class Daemon(_ManagedProcess):
     def __init__(
         self,
         model: str = "smollm2",
-        port: Optional[int] = None,
+        port: int | None = None,
         max_running_requests: int = 32,
         kv_cache_tokens: int = 16384,
-        extra_args: Optional[list[str]] = None,
-        log_dir: Optional[os.PathLike] = None,
+        extra_args: list[str] | None = None,
+        log_dir: os.PathLike | None = None,
         start_timeout_s: float = DAEMON_START_TIMEOUT_S,
         log_level: str = "info",
     ):
@@ -263,17 +263,24 @@ class Daemon(_ManagedProcess):
         self.address = f"{self.host}:{self.port}"
         self.start_timeout_s = start_timeout_s
         self.args = [
-            "--model", model,
-            "--host", self.host,
-            "--port", str(self.port),
-            "--device", "cpu",
-            "--max-running-requests", str(max_running_requests),
-            "--kv-cache-tokens", str(kv_cache_tokens),
-            "--log-level", log_level,
+            "--model",
+            model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--device",
+            "cpu",
+            "--max-running-requests",
+            str(max_running_requests),
+            "--kv-cache-tokens",
+            str(kv_cache_tokens),
+            "--log-level",
+            log_level,
         ] + list(extra_args or [])
-        self.startup_s: Optional[float] = None
+        self.startup_s: float | None = None
 
-    def __enter__(self) -> "Daemon":
+    def __enter__(self) -> Daemon:
         env = _base_env()
         env["PYTHONPATH"] = os.pathsep.join(p for p in [str(SRC_DIR), env.get("PYTHONPATH", "")] if p)
         t0 = time.monotonic()
@@ -286,14 +293,16 @@ class Daemon(_ManagedProcess):
         self.startup_s = time.monotonic() - t0
         return self
 
-    def health_status(self, service: str = "", timeout: float = 2.0) -> Optional[str]:
+    def health_status(self, service: str = "", timeout: float = 2.0) -> str | None:
         """The grpc.health.v1 status name, or None when the call fails."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         with grpc.insecure_channel(self.address) as ch:
             try:
-                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+                resp = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=timeout
+                )
             except grpc.RpcError:
                 return None
             return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
@@ -401,7 +410,7 @@ def sse_post(url: str, body, timeout: float = 120.0) -> Iterator[str]:
         for raw in resp:
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             if line.startswith("data:"):
-                yield line[len("data:"):].strip()
+                yield line[len("data:") :].strip()
 
 
 class Router(_ManagedProcess):
@@ -413,11 +422,11 @@ class Router(_ManagedProcess):
     def __init__(
         self,
         worker_port: int,
-        policy: Optional[str] = None,
-        port: Optional[int] = None,
-        prometheus_port: Optional[int] = None,
-        extra_args: Optional[list[str]] = None,
-        log_dir: Optional[os.PathLike] = None,
+        policy: str | None = None,
+        port: int | None = None,
+        prometheus_port: int | None = None,
+        extra_args: list[str] | None = None,
+        log_dir: os.PathLike | None = None,
         start_timeout_s: float = ROUTER_START_TIMEOUT_S,
         log_level: str = "warn",
         shutdown_grace_s: int = 1,
@@ -432,21 +441,29 @@ class Router(_ManagedProcess):
         self.start_timeout_s = start_timeout_s
         self.args = [
             "launch",
-            "--host", self.host,
-            "--port", str(self.port),
-            "--prometheus-host", self.host,
-            "--prometheus-port", str(self.prometheus_port),
-            "--worker-urls", self.worker_url,
-            "--backend", "sglang",
-            "--log-level", log_level,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--prometheus-host",
+            self.host,
+            "--prometheus-port",
+            str(self.prometheus_port),
+            "--worker-urls",
+            self.worker_url,
+            "--backend",
+            "sglang",
+            "--log-level",
+            log_level,
             # Tests need no in-flight drain on stop (the default grace makes each stop ~5 s).
-            "--shutdown-grace-period-secs", str(shutdown_grace_s),
+            "--shutdown-grace-period-secs",
+            str(shutdown_grace_s),
         ]
         if policy:
             self.args += ["--policy", policy]
         self.args += list(extra_args or [])
-        self.model: Optional[str] = None
-        self.startup_s: Optional[float] = None
+        self.model: str | None = None
+        self.startup_s: float | None = None
 
     def url(self, path: str) -> str:
         return self.base_url + path
@@ -460,7 +477,7 @@ class Router(_ManagedProcess):
     def sse(self, path: str, body, timeout: float = 120.0) -> Iterator[str]:
         return sse_post(self.url(path), body, timeout)
 
-    def __enter__(self) -> "Router":
+    def __enter__(self) -> Router:
         t0 = time.monotonic()
         self._spawn([find_executable("smg")] + self.args, _base_env())
         try:

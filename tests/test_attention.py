@@ -17,7 +17,9 @@ def dense_reference(q, k, v):
     """Causal attention over a whole sequence; q/k/v [S, heads, D]."""
     rep = q.shape[1] // k.shape[1]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(rep, 1).transpose(0, 1), v.repeat_interleave(rep, 1).transpose(0, 1),
+        q.transpose(0, 1),
+        k.repeat_interleave(rep, 1).transpose(0, 1),
+        v.repeat_interleave(rep, 1).transpose(0, 1),
         is_causal=True,
     )
     return out.transpose(0, 1)
@@ -101,8 +103,17 @@ def assert_native_decode_matches_torch_path(q, k_cache, v_cache, seq_lens, table
     torch.testing.assert_close(native, expected, **tol, msg=lambda m: f"seq_lens {seq_lens}: {m}")
     # As the model calls it: the host's max length from the metadata, into a given tensor.
     out = torch.full_like(q, float("nan"))
-    into = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                              0.125, shares, max_seq_len=meta.decode_max_seq_len, out=out)
+    into = cpu_kernels.paged_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        meta.decode_block_tables,
+        meta.decode_seq_lens,
+        0.125,
+        shares,
+        max_seq_len=meta.decode_max_seq_len,
+        out=out,
+    )
     assert into is out and torch.equal(out, native)
 
 
@@ -158,7 +169,11 @@ def test_native_decode_kernel_declines_what_it_does_not_read():
     assert cpu_kernels.paged_decode_attention(q.bfloat16(), *args) is None  # bf16 query, fp32 cache
     assert cpu_kernels.paged_decode_attention(q, k_cache, torch.zeros(8, BS, HKV, 2 * D), tables, lens, 0.125) is None
     assert cpu_kernels.paged_decode_attention(q, k_cache, k_cache, tables[:1], lens, 0.125) is None  # a table short
-    assert cpu_kernels.paged_decode_attention(q, k_cache, k_cache, tables, torch.tensor([5, 9]), 0.125) is None  # 9 > 2 blocks
+    assert (
+        cpu_kernels.paged_decode_attention(q, k_cache, k_cache, tables, torch.tensor([5, 9]), 0.125) is None
+    )  # 9 > 2 blocks
     assert cpu_kernels.paged_decode_attention(q, *args, max_seq_len=9) is None  # the caller's max, 9 > 2 blocks
-    assert cpu_kernels.paged_decode_attention(q, *args, out=torch.empty(H, 2, D).transpose(0, 1)) is None  # not contiguous
+    assert (
+        cpu_kernels.paged_decode_attention(q, *args, out=torch.empty(H, 2, D).transpose(0, 1)) is None
+    )  # not contiguous
     assert cpu_kernels.paged_decode_attention(q, *args, out=torch.empty(2, H, D).bfloat16()) is None

@@ -21,9 +21,20 @@ def test_n256_benchmark_runs_every_part(tmp_path):
     out = tmp_path / "n256.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_n256.py"), "--smoke", "--json", str(out),
-         "--also-batched-tokens", "64"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bench_n256.py"),
+            "--smoke",
+            "--json",
+            str(out),
+            "--also-batched-tokens",
+            "64",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(out.read_text())

@@ -36,8 +36,9 @@ else:
 
 def parse(argv: list[str]) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_SRC), os.environ.get("PYTHONPATH")])))
-    r = subprocess.run([sys.executable, "-c", _PARSE, json.dumps(argv)], env=env, capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", _PARSE, json.dumps(argv)], env=env, capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.splitlines()[-1])
     out["stderr"] = r.stderr
@@ -56,8 +57,18 @@ def test_defaults_serve_the_embedded_model_on_localhost():
 
 
 def test_kernel_and_schedule_flags():
-    engine = parse(["--disable-cuda-graph", "--small-batch-gemv", "--pdl", "--overlap-schedule", "on",
-                    "--kernel-backend", "triton", "--disable-prefix-caching"])["engine"]
+    engine = parse(
+        [
+            "--disable-cuda-graph",
+            "--small-batch-gemv",
+            "--pdl",
+            "--overlap-schedule",
+            "on",
+            "--kernel-backend",
+            "triton",
+            "--disable-prefix-caching",
+        ]
+    )["engine"]
     assert not engine["cuda_graph"] and engine["small_batch_gemv"] and engine["overlap_schedule"] is True
     assert engine["pdl"]
     assert engine["kernel_backend"] == "triton" and not engine["enable_prefix_caching"]
@@ -70,15 +81,32 @@ def test_kernel_and_schedule_flags():
 
 @pytest.mark.parametrize(
     "argv",
-    [["--kv-cache-memory", "lots"], ["--kv-cache-memory", "1e400"], ["--kv-cache-memory=-2GiB"],
-     ["--kv-cache-memory", "0.5"], ["--max-running-requests", "0"],
-     ["--kv-cache-tokens", "10", "--kv-cache-memory", "1GiB"], ["--overlap-schedule", "maybe"],
-     ["--port", "70000"], ["--port", "-1"], ["--max-model-len", "0"], ["--num-threads", "0"],
-     ["--kv-cache-tokens", "-100"], ["--dtype", "int8"], ["--max-logprobs", "-1"], ["--max-queued-requests", "-1"],
-     ["--long-prefill-token-threshold", "-1"], ["--speculative-algorithm", "eagle"],
-     ["--speculative-algorithm", "ngram", "--overlap-schedule", "on"], ["--speculative-num-draft-tokens", "0"],
-     ["--watchdog-timeout", "-1"], ["--watchdog-timeout", "nan"], ["--grammar-compile-timeout", "0"],
-     ["--shutdown-grace-period", "-1"], ["--block-size", "x"]],
+    [
+        ["--kv-cache-memory", "lots"],
+        ["--kv-cache-memory", "1e400"],
+        ["--kv-cache-memory=-2GiB"],
+        ["--kv-cache-memory", "0.5"],
+        ["--max-running-requests", "0"],
+        ["--kv-cache-tokens", "10", "--kv-cache-memory", "1GiB"],
+        ["--overlap-schedule", "maybe"],
+        ["--port", "70000"],
+        ["--port", "-1"],
+        ["--max-model-len", "0"],
+        ["--num-threads", "0"],
+        ["--kv-cache-tokens", "-100"],
+        ["--dtype", "int8"],
+        ["--max-logprobs", "-1"],
+        ["--max-queued-requests", "-1"],
+        ["--long-prefill-token-threshold", "-1"],
+        ["--speculative-algorithm", "eagle"],
+        ["--speculative-algorithm", "ngram", "--overlap-schedule", "on"],
+        ["--speculative-num-draft-tokens", "0"],
+        ["--watchdog-timeout", "-1"],
+        ["--watchdog-timeout", "nan"],
+        ["--grammar-compile-timeout", "0"],
+        ["--shutdown-grace-period", "-1"],
+        ["--block-size", "x"],
+    ],
 )
 def test_bad_values_are_refused(argv):
     out = parse(argv)
@@ -95,10 +123,14 @@ def test_a_taken_port_is_a_clear_error_and_leaves_nothing_behind(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = dict(os.environ, TMPDIR=str(tmp_path),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(_SRC), os.environ.get("PYTHONPATH")])))
-        r = subprocess.run([sys.executable, "-m", "servicer", "--port", str(port)], env=env, capture_output=True,
-                           text=True, timeout=60)
+        env = dict(
+            os.environ,
+            TMPDIR=str(tmp_path),
+            PYTHONPATH=os.pathsep.join(filter(None, [str(_SRC), os.environ.get("PYTHONPATH")])),
+        )
+        r = subprocess.run(
+            [sys.executable, "-m", "servicer", "--port", str(port)], env=env, capture_output=True, text=True, timeout=60
+        )
     assert r.returncode == 1, r.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not list(tmp_path.iterdir()), "the IPC directory was left behind"
@@ -117,7 +149,9 @@ def test_a_write_to_a_departed_client_is_not_logged_as_an_error():
 
             return logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, "x", 1, msg, None, sys.exc_info())
 
-    gone = record("ExecuteBatchError raised in core by servicer method [/sglang.grpc.scheduler.SglangScheduler/Generate]")
+    gone = record(
+        "ExecuteBatchError raised in core by servicer method [/sglang.grpc.scheduler.SglangScheduler/Generate]"
+    )
     ClientGoneFilter().filter(gone)
     assert gone.levelno == logging.DEBUG and gone.exc_info is None
     other = record("Unexpected error in servicer method")

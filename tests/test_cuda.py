@@ -32,9 +32,20 @@ from scheduler.model_runner import LoadedModel, ModelRunner  # noqa: E402
 from scheduler.models import build_model  # noqa: E402
 
 # Qwen3-0.6B's attention shape (16 q heads, 8 kv heads, head_dim 128), fewer and thinner layers.
-CONFIG = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=16,
-              num_key_value_heads=8, head_dim=128, max_position_embeddings=2048, rope_theta=1e6,
-              tie_word_embeddings=True, initializer_range=0.05, eos_token_id=None)
+CONFIG = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=2048,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+    initializer_range=0.05,
+    eos_token_id=None,
+)
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -55,8 +66,13 @@ def models(request):
 
 
 def make_engine(loaded, dtype, **kw) -> Engine:
-    cfg = dict(model="random", device="cuda", dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype],
-               max_running_requests=16, kv_cache_tokens=16384)
+    cfg = dict(
+        model="random",
+        device="cuda",
+        dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype],
+        max_running_requests=16,
+        kv_cache_tokens=16384,
+    )
     cfg.update(kw)
     config = EngineConfig(**cfg)
     return Engine(config, ModelRunner(config, loaded))
@@ -79,7 +95,7 @@ def test_greedy_matches_hf(models):
     for p, c in zip(prompts(), outs):
         ids = torch.tensor([p], device="cuda")
         with torch.no_grad():
-            ref = hf.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)[0, len(p):]
+            ref = hf.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)[0, len(p) :]
             ref_logits = hf(ids).logits[0, -1].float()
         ours_logits = eng.runner.model.compute_logits(_last_hidden(eng, p)).float()
         err = ((ours_logits - ref_logits).norm() / ref_logits.norm()).item()
@@ -205,7 +221,7 @@ def test_small_batch_gemv_matches_hf(models):
     for p, c in zip(ps, outs):
         with torch.no_grad():
             ids = torch.tensor([p], device="cuda")
-            ref = hf.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)[0, len(p):]
+            ref = hf.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)[0, len(p) :]
         if dtype == torch.float32:
             assert c.output_ids == ref.tolist()
         else:

@@ -48,8 +48,9 @@ def sampling(max_new_tokens=None, **kw) -> pb.SamplingParams:
     return sp
 
 
-def make_request(input_ids, *, max_new_tokens=16, stream=False, rid=None, params=None, cache_salt=None,
-                 **kw) -> pb.GenerateRequest:
+def make_request(
+    input_ids, *, max_new_tokens=16, stream=False, rid=None, params=None, cache_salt=None, **kw
+) -> pb.GenerateRequest:
     """`cache_salt` (custom_params, as the router forwards it) keeps the prompt's blocks apart
     from every other request's: pass a fresh one where a test needs a cold prefix cache."""
     req = pb.GenerateRequest(
@@ -96,7 +97,9 @@ def greedy_ids(stub, input_ids, max_new_tokens=16, **kw):
 
 
 def chat_ids(tokenizer, content):
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert ids[:3] == [1, 9690, 198], ids[:8]
     return ids
@@ -227,13 +230,33 @@ def test_generate_stream_deltas_match_nonstream(grpc_stub, france):
     assert c.completion_tokens == len(total)
     assert c.prompt_tokens == len(france)
     if c.output_ids:  # the reference sends the last delta; the full list is also accepted
-        assert list(c.output_ids) == total[-len(c.output_ids):]
+        assert list(c.output_ids) == total[-len(c.output_ids) :]
 
 
 def test_concurrent_generate_batches(grpc_stub, tokenizer):
-    prompts = [tokenizer.encode(f"Story {i}: once upon a time, a {w}", add_special_tokens=False)
-               for i, w in enumerate(["cat", "dog", "king", "robot", "tree", "ship", "bird", "girl",
-                                      "wizard", "fox", "city", "river", "baker", "knight", "whale", "cloud"])]
+    prompts = [
+        tokenizer.encode(f"Story {i}: once upon a time, a {w}", add_special_tokens=False)
+        for i, w in enumerate(
+            [
+                "cat",
+                "dog",
+                "king",
+                "robot",
+                "tree",
+                "ship",
+                "bird",
+                "girl",
+                "wizard",
+                "fox",
+                "city",
+                "river",
+                "baker",
+                "knight",
+                "whale",
+                "cloud",
+            ]
+        )
+    ]
     n_new = 12
     assert wait_idle(grpc_stub) == 0
     steps_before = sched_stat(grpc_stub, "steps")
@@ -354,7 +377,9 @@ def test_n2_fanout(grpc_stub, france):
 
 
 def test_sampling_with_temperature(grpc_stub, story):
-    c = one_complete(grpc_stub, make_request(story, max_new_tokens=8, temperature=0.9, top_p=0.95, top_k=50, ignore_eos=True))
+    c = one_complete(
+        grpc_stub, make_request(story, max_new_tokens=8, temperature=0.9, top_p=0.95, top_k=50, ignore_eos=True)
+    )
     assert c.finish_reason == "length" and len(c.output_ids) == 8
     assert all(0 <= t < VOCAB_SIZE for t in c.output_ids)
 
@@ -400,8 +425,9 @@ def test_a_burst_of_calls_is_served_whole(daemon):
     from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
     async def burst(n: int) -> Counter:
-        channels = [grpc.aio.insecure_channel(daemon.address, options=[("grpc.use_local_subchannel_pool", 1)])
-                    for _ in range(4)]
+        channels = [
+            grpc.aio.insecure_channel(daemon.address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(4)
+        ]
         stubs = [pb_grpc.SglangSchedulerStub(ch) for ch in channels]
         outcome = Counter()
 
@@ -435,12 +461,14 @@ def test_daemon_healthy_after_bad_inputs(grpc_stub, story):
 
 def _with(field, value):
     """A request tweak: set one GenerateRequest (or sampling_params.X) field."""
+
     def tweak(req):
         obj, name = (req.sampling_params, field[3:]) if field.startswith("sp.") else (req, field)
         if name == "seed":
             obj.custom_params.update({"seed": value})
         else:
             setattr(obj, name, value)
+
     return tweak
 
 
@@ -449,17 +477,23 @@ UNSERVABLE = {  # fields the daemon cannot honour, or asks too much of: (tweak, 
     "data_parallel_rank_1": (_with("data_parallel_rank", 1), grpc.StatusCode.INVALID_ARGUMENT),
     "hidden_states": (_with("return_hidden_states", True), grpc.StatusCode.INVALID_ARGUMENT),
     "n_over_limit": (_with("sp.n", 1025), grpc.StatusCode.INVALID_ARGUMENT),
-    "top_logprobs_over_limit": (lambda r: (_with("return_logprob", True)(r), _with("top_logprobs_num", 21)(r)),
-                                grpc.StatusCode.INVALID_ARGUMENT),
+    "top_logprobs_over_limit": (
+        lambda r: (_with("return_logprob", True)(r), _with("top_logprobs_num", 21)(r)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     "nan_repetition_penalty": (_with("sp.repetition_penalty", float("nan")), grpc.StatusCode.INVALID_ARGUMENT),
     "seed_over_64_bits": (_with("sp.seed", 1e20), grpc.StatusCode.INVALID_ARGUMENT),
     "fractional_seed": (_with("sp.seed", 1.5), grpc.StatusCode.INVALID_ARGUMENT),
     # stop strings are checked on every token inside the step loop: their work is bounded
-    "too_many_stop_strings": (lambda r: r.sampling_params.stop.extend(f"s{i}" for i in range(65)),
-                              grpc.StatusCode.INVALID_ARGUMENT),
+    "too_many_stop_strings": (
+        lambda r: r.sampling_params.stop.extend(f"s{i}" for i in range(65)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     "stop_string_too_long": (lambda r: r.sampling_params.stop.append("q" * 513), grpc.StatusCode.INVALID_ARGUMENT),
-    "stop_token_id_over_vocab": (lambda r: r.sampling_params.stop_token_ids.append(VOCAB_SIZE),
-                                 grpc.StatusCode.INVALID_ARGUMENT),
+    "stop_token_id_over_vocab": (
+        lambda r: r.sampling_params.stop_token_ids.append(VOCAB_SIZE),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
 }
 
 
@@ -479,8 +513,9 @@ def test_an_id_clashing_with_a_sequence_id_in_flight_is_refused(grpc_stub, story
     n > 1 call whose sequence ids equal a caller's id) must not cross their outputs."""
     rid = f"clash-{uuid.uuid4().hex[:8]}"
     # long enough that a stalled test thread still finds it in flight (~20 ms a token)
-    first = make_request(story, max_new_tokens=96, rid=rid if first_n == 2 else f"{rid}-n0",
-                         stream=True, ignore_eos=True, n=first_n)
+    first = make_request(
+        story, max_new_tokens=96, rid=rid if first_n == 2 else f"{rid}-n0", stream=True, ignore_eos=True, n=first_n
+    )
     call = grpc_stub.Generate(first, timeout=RPC_TIMEOUT)
     next(call)  # in flight now
     clash = make_request(story, max_new_tokens=2, rid=second.format(rid=rid) if second else rid, n=3 - first_n)
@@ -531,8 +566,9 @@ def test_abort_stops_a_running_stream(grpc_stub, story):
             if m.WhichOneof("response") == "chunk":
                 got += len(m.chunk.token_ids)
                 if reply is None and got >= 2:
-                    reply = grpc_stub.Abort(pb.AbortRequest(request_id=req.request_id, reason="Stream dropped"),
-                                            timeout=10)
+                    reply = grpc_stub.Abort(
+                        pb.AbortRequest(request_id=req.request_id, reason="Stream dropped"), timeout=10
+                    )
                     t_abort = time.monotonic()
             else:
                 ended = m.complete
@@ -582,8 +618,9 @@ def test_an_id_reused_right_after_a_cancel_gets_its_own_tokens(grpc_stub, story)
     gets its own complete answer, never the old one's last token and abort notice; nothing
     is left running afterwards."""
     rid = f"reuse-{uuid.uuid4().hex[:8]}"
-    call = grpc_stub.Generate(make_request(story, max_new_tokens=200, rid=rid, stream=True, ignore_eos=True),
-                              timeout=RPC_TIMEOUT)
+    call = grpc_stub.Generate(
+        make_request(story, max_new_tokens=200, rid=rid, stream=True, ignore_eos=True), timeout=RPC_TIMEOUT
+    )
     for i, _ in enumerate(call):
         if i == 4:
             break
@@ -710,8 +747,12 @@ def test_health_check_rpc_fast_under_load(grpc_stub, story):
     """The router's first probe gives up after about 2 s; HealthCheck must not queue behind
     generation: it answers healthy while four long streams run."""
     # Four streams that generate until cancelled, so every probe meets a busy scheduler.
-    load = [grpc_stub.Generate(make_request(story * 4, max_new_tokens=2000, stream=True, ignore_eos=True),
-                               timeout=RPC_TIMEOUT) for _ in range(4)]
+    load = [
+        grpc_stub.Generate(
+            make_request(story * 4, max_new_tokens=2000, stream=True, ignore_eos=True), timeout=RPC_TIMEOUT
+        )
+        for _ in range(4)
+    ]
     try:
         for call in load:
             next(call)  # generating now
@@ -796,8 +837,9 @@ def test_a_short_request_is_answered_while_a_long_prompt_prefills(grpc_stub):
         deadline = time.monotonic() + RPC_TIMEOUT
         while not num_running(grpc_stub) and not done.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)
-        short = one_complete(grpc_stub, make_request([1, 2, 3, 4, 5, 6], max_new_tokens=2, ignore_eos=True,
-                                                     cache_salt=fresh_salt()))
+        short = one_complete(
+            grpc_stub, make_request([1, 2, 3, 4, 5, 6], max_new_tokens=2, ignore_eos=True, cache_salt=fresh_salt())
+        )
         long_done_first = done.is_set()
     finally:
         t.join(timeout=RPC_TIMEOUT)
@@ -827,10 +869,15 @@ def test_bf16_daemon_answers_and_frees_its_kv(tmp_path, tokenizer, france, story
     the same answer, prompts that hit the prefix cache and run batched, and no KV left held."""
     from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-    with Daemon(max_running_requests=8, kv_cache_tokens=4096, extra_args=["--dtype", "bfloat16"], log_dir=tmp_path) as d:
+    with Daemon(
+        max_running_requests=8, kv_cache_tokens=4096, extra_args=["--dtype", "bfloat16"], log_dir=tmp_path
+    ) as d:
         with grpc.insecure_channel(d.address) as ch:
             stub = pb_grpc.SglangSchedulerStub(ch)
-            assert stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).server_args.fields["dtype"].string_value == "bfloat16"
+            assert (
+                stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).server_args.fields["dtype"].string_value
+                == "bfloat16"
+            )
             out, _ = greedy_ids(stub, france, max_new_tokens=24)
             assert "Paris" in tokenizer.decode(out, skip_special_tokens=True)
             prompts = [story * 8 + [100 + i] for i in range(8)]  # a shared 32-token prefix
@@ -856,8 +903,9 @@ def test_sigterm_drains_in_flight_requests(tmp_path, target):
     from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
     n = 32  # the stream outlasts the few calls made while it drains many times over
-    with Daemon(max_running_requests=4, kv_cache_tokens=2048, log_dir=tmp_path,
-                extra_args=["--shutdown-grace-period", "600"]) as d:
+    with Daemon(
+        max_running_requests=4, kv_cache_tokens=2048, log_dir=tmp_path, extra_args=["--shutdown-grace-period", "600"]
+    ) as d:
         with grpc.insecure_channel(d.address) as ch:
             stub = pb_grpc.SglangSchedulerStub(ch)
             health = health_pb2_grpc.HealthStub(ch)
@@ -871,8 +919,9 @@ def test_sigterm_drains_in_flight_requests(tmp_path, target):
                 os.killpg(d.proc.pid, signal.SIGTERM)
             # An answer (rather than a refused call) means the server is still up: draining.
             deadline = time.monotonic() + 60
-            while (status := health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status) \
-                    == health_pb2.HealthCheckResponse.SERVING:
+            while (
+                status := health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+            ) == health_pb2.HealthCheckResponse.SERVING:
                 assert time.monotonic() < deadline, "still SERVING 60 s after SIGTERM"
                 time.sleep(0.02)
             assert status == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -881,7 +930,9 @@ def test_sigterm_drains_in_flight_requests(tmp_path, target):
             with pytest.raises(grpc.RpcError) as ei:
                 generate(stub, make_request([6403, 1980], max_new_tokens=1), timeout=60)
             assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in ei.value.details(), (
-                ei.value.code(), ei.value.details())
+                ei.value.code(),
+                ei.value.details(),
+            )
             msgs = [first] + list(call)
             assert msgs[-1].WhichOneof("response") == "complete"
             assert msgs[-1].complete.finish_reason == "length"
@@ -902,8 +953,9 @@ def test_requests_cut_off_by_shutdown_end_unavailable(tmp_path, cut_by):
     from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
     grace = "0.5" if cut_by == "grace_period" else "600"
-    with Daemon(max_running_requests=4, kv_cache_tokens=4096, log_dir=tmp_path,
-                extra_args=["--shutdown-grace-period", grace]) as d:
+    with Daemon(
+        max_running_requests=4, kv_cache_tokens=4096, log_dir=tmp_path, extra_args=["--shutdown-grace-period", grace]
+    ) as d:
         with grpc.insecure_channel(d.address) as ch:
             stub = pb_grpc.SglangSchedulerStub(ch)
             req = make_request([6403, 1980, 253, 655], max_new_tokens=3000, ignore_eos=True, stream=True)
@@ -915,8 +967,10 @@ def test_requests_cut_off_by_shutdown_end_unavailable(tmp_path, cut_by):
                 # would merge into one), the stream still going: now the second
                 health = health_pb2_grpc.HealthStub(ch)
                 deadline = time.monotonic() + 60
-                while health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
+                while (
+                    health.Check(health_pb2.HealthCheckRequest(), timeout=10).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     assert time.monotonic() < deadline, "still SERVING 60 s after SIGTERM"
                     time.sleep(0.02)
                 assert next(call).WhichOneof("response") == "chunk"

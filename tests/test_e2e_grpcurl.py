@@ -39,7 +39,9 @@ def test_list_services(grpcurl):
     services = grpcurl("list").split()
     assert SCHEDULER_SERVICE in services
     assert "grpc.health.v1.Health" in services
-    assert any(s in services for s in ("grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection")), services
+    assert any(
+        s in services for s in ("grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection")
+    ), services
 
 
 def test_health_check_serving(grpcurl):

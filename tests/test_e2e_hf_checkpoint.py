@@ -12,10 +12,9 @@ import torch
 import transformers
 
 from helpers import Daemon, scheduler_stub
+from scheduler.model_source import TOKENIZER_FILES, prepare_tokenizer_dir, resolve_model
 from test_e2e_grpc import make_request, one_complete
 from test_model_parity import COMMON, hf_reference
-
-from scheduler.model_source import TOKENIZER_FILES, prepare_tokenizer_dir, resolve_model
 
 
 @pytest.fixture(scope="module")

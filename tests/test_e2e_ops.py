@@ -27,9 +27,10 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import SCHEDULER_SERVICE, Daemon, Router, _group_members, child_pids, find_executable, http_get
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from helpers import SCHEDULER_SERVICE, Daemon, Router, _group_members, child_pids, find_executable, http_get
 from test_e2e_grpc import RPC_TIMEOUT, fresh_salt, make_request, one_complete, sched_stat, wait_idle
 
 STORY = [6403, 1980, 253, 655]  # "Once upon a time"
@@ -57,7 +58,9 @@ def cmdline(pid: int) -> list[str]:
 
 def scheduler_pid(daemon_pid: int) -> int:
     found = [p for p in child_pids(daemon_pid) if "scheduler.process" in cmdline(p)]
-    assert len(found) == 1, f"expected one scheduler child of {daemon_pid}, found {found}: {[cmdline(p) for p in child_pids(daemon_pid)]}"
+    assert len(found) == 1, (
+        f"expected one scheduler child of {daemon_pid}, found {found}: {[cmdline(p) for p in child_pids(daemon_pid)]}"
+    )
     return found[0]
 
 
@@ -67,7 +70,7 @@ def pid_gone(pid: int) -> bool:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return True
-    return stat[stat.rfind(")") + 2:].split()[0] in ("Z", "X")
+    return stat[stat.rfind(")") + 2 :].split()[0] in ("Z", "X")
 
 
 def router_log(router: Router) -> str:
@@ -99,13 +102,16 @@ def test_a_scheduler_that_stops_making_progress_is_killed_by_the_watchdog(tmp_pa
     (2 s), before the watchdog acts; after --watchdog-timeout the daemon kills it, the stream
     ends UNAVAILABLE naming the watchdog, and the daemon exits 1 for its supervisor, leaving
     no process behind."""
-    with Daemon(max_running_requests=4, kv_cache_tokens=2048, log_dir=tmp_path,
-                extra_args=["--watchdog-timeout", "4"]) as d:
+    with Daemon(
+        max_running_requests=4, kv_cache_tokens=2048, log_dir=tmp_path, extra_args=["--watchdog-timeout", "4"]
+    ) as d:
         sched = scheduler_pid(d.proc.pid)
         with grpc.insecure_channel(d.address) as ch:
             stub = pb_grpc.SglangSchedulerStub(ch)
             health = health_pb2_grpc.HealthStub(ch)
-            call = stub.Generate(make_request(STORY, max_new_tokens=1500, stream=True, ignore_eos=True), timeout=RPC_TIMEOUT)
+            call = stub.Generate(
+                make_request(STORY, max_new_tokens=1500, stream=True, ignore_eos=True), timeout=RPC_TIMEOUT
+            )
             assert next(call).WhichOneof("response") == "chunk"
             os.kill(sched, signal.SIGSTOP)
             t_stop = time.monotonic()
@@ -125,7 +131,9 @@ def test_a_scheduler_that_stops_making_progress_is_killed_by_the_watchdog(tmp_pa
                     pass
             waited = time.monotonic() - t_stop
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "watchdog-timeout 4" in ei.value.details(), (
-            ei.value.code(), ei.value.details())
+            ei.value.code(),
+            ei.value.details(),
+        )
         # The watchdog counts from the scheduler's last message (up to a heartbeat, 0.25 s,
         # before the SIGSTOP; more on a loaded machine) and looks once a second: it may fire
         # a little under 4 s after t_stop, but never at once.
@@ -147,7 +155,9 @@ def test_scheduler_kill9_fails_fast_and_exits_nonzero(tmp_path):
         with grpc.insecure_channel(d.address) as ch:
             stub = pb_grpc.SglangSchedulerStub(ch)
             health = health_pb2_grpc.HealthStub(ch)
-            call = stub.Generate(make_request(STORY, max_new_tokens=1500, stream=True, ignore_eos=True), timeout=RPC_TIMEOUT)
+            call = stub.Generate(
+                make_request(STORY, max_new_tokens=1500, stream=True, ignore_eos=True), timeout=RPC_TIMEOUT
+            )
             first = next(call)
             assert first.WhichOneof("response") == "chunk"
 
@@ -179,7 +189,10 @@ def test_scheduler_kill9_fails_fast_and_exits_nonzero(tmp_path):
                         seen[service] = (time.monotonic() - t_kill, f"rpc {e.code().name}")
                         continue
                     if st != health_pb2.HealthCheckResponse.SERVING:
-                        seen[service] = (time.monotonic() - t_kill, health_pb2.HealthCheckResponse.ServingStatus.Name(st))
+                        seen[service] = (
+                            time.monotonic() - t_kill,
+                            health_pb2.HealthCheckResponse.ServingStatus.Name(st),
+                        )
                 time.sleep(0.05)
             assert set(seen) == {"", SCHEDULER_SERVICE}, f"still SERVING 2 s after kill -9 of the scheduler: {seen}"
             print(f"health after kill -9: {seen}")
@@ -274,8 +287,17 @@ def test_grpcurl_flush_cache_busy_and_waiting(grpcurl, stub, daemon):
     assert "in flight" in busy.get("message", ""), f"a refused flush must say why: {busy}"
 
     # grpcurl -v prints "Request metadata to send" just before it sends the call
-    cmd = [find_executable("grpcurl"), "-plaintext", "-v", "-max-time", "600", "-d", json.dumps({"timeout_s": 600}),
-           daemon.address, f"{SCHEDULER_SERVICE}/FlushCache"]
+    cmd = [
+        find_executable("grpcurl"),
+        "-plaintext",
+        "-v",
+        "-max-time",
+        "600",
+        "-d",
+        json.dumps({"timeout_s": 600}),
+        daemon.address,
+        f"{SCHEDULER_SERVICE}/FlushCache",
+    ]
     flush = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
@@ -339,7 +361,9 @@ def _hide_prefix() -> list[str] | None:
         for c in cands:
             r = subprocess.run(
                 c + ["sh", "-c", 'mount -t tmpfs tmpfs "$1" && test ! -e "$1/marker"', "sh", probe],
-                check=False, capture_output=True, timeout=20,
+                check=False,
+                capture_output=True,
+                timeout=20,
             )
             if r.returncode == 0:
                 return c
@@ -372,8 +396,12 @@ def test_router_without_the_tokenizer_path_fetches_it_and_serves_chat(daemon, tm
         pytest.skip("no private mount namespace here (unshare/mount not permitted): cannot hide the tokenizer path")
 
     with HiddenPathRouter(daemon.port, hide=tok_dir, ns_prefix=prefix, log_level="info", log_dir=tmp_path) as r:
-        body = {"model": r.model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                "temperature": 0, "max_tokens": 24}
+        body = {
+            "model": r.model,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "temperature": 0,
+            "max_tokens": 24,
+        }
         resp = r.post("/v1/chat/completions", body)
         assert resp.status == 200, resp
         content = resp.json()["choices"][0]["message"]["content"]
@@ -389,8 +417,12 @@ def test_router_without_the_tokenizer_path_fetches_it_and_serves_chat(daemon, tm
 @pytest.fixture(scope="module")
 def second_daemon(tmp_path_factory):
     # No queue beyond the free running slots: test_a_full_queue_is_resource_exhausted fills it.
-    with Daemon(max_running_requests=8, kv_cache_tokens=8192, extra_args=["--max-queued-requests", "0"],
-                log_dir=tmp_path_factory.mktemp("daemon-b")) as d:
+    with Daemon(
+        max_running_requests=8,
+        kv_cache_tokens=8192,
+        extra_args=["--max-queued-requests", "0"],
+        log_dir=tmp_path_factory.mktemp("daemon-b"),
+    ) as d:
         yield d
 
 
@@ -421,7 +453,10 @@ def test_cache_aware_routes_shared_prefix_to_the_daemon_holding_it(daemon, secon
             deadline = time.monotonic() + 60
             while True:
                 log = router_log(r)
-                streams = {k: f"KV event stream connected worker_url=grpc://127.0.0.1:{d.port}" in log for k, d in workers.items()}
+                streams = {
+                    k: f"KV event stream connected worker_url=grpc://127.0.0.1:{d.port}" in log
+                    for k, d in workers.items()
+                }
                 ready = r.get("/readiness", timeout=5)
                 healthy = ready.json().get("healthy_workers") if ready.status == 200 else None
                 if all(streams.values()) and healthy == 2:
@@ -437,8 +472,10 @@ def test_cache_aware_routes_shared_prefix_to_the_daemon_holding_it(daemon, secon
                 for s in stubs.values():
                     idle(s)
                 before = {k: sched_stat(s, "num_generated_tokens") for k, s in stubs.items()}
-                resp = r.post("/v1/completions", {"model": r.model, "prompt": prompt, "max_tokens": n,
-                                                   "temperature": 0, "ignore_eos": True})
+                resp = r.post(
+                    "/v1/completions",
+                    {"model": r.model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True},
+                )
                 assert resp.status == 200, resp
                 for s in stubs.values():
                     idle(s)
@@ -461,9 +498,13 @@ def test_cache_aware_routes_shared_prefix_to_the_daemon_holding_it(daemon, secon
             results = []
             for j, q in enumerate(["What happened next?", "Name the river.", "Count the stones.", "Summarise it."]):
                 usage, served = send(f"{prefix} Question {j}: {q}")
-                results.append((served, usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get("cached_tokens")))
+                results.append(
+                    (served, usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+                )
             print(f"prefix {n_prefix} tokens on daemon {holder}; follow-ups (daemon, prompt, cached): {results}")
-            assert all(served == holder for served, _, _ in results), f"a prefix-sharing request left {holder}: {results}"
+            assert all(served == holder for served, _, _ in results), (
+                f"a prefix-sharing request left {holder}: {results}"
+            )
             for _, prompt_tokens, cached in results:
                 assert prompt_tokens > n_prefix
                 # Whole blocks of the prefix (16 tokens each); the block where the suffix starts may differ.

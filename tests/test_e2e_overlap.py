@@ -12,14 +12,29 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from helpers import Daemon, scheduler_stub
-from test_e2e_grpc import (RPC_TIMEOUT, chunks_of, completes_of, fresh_salt, generate, make_request, one_complete,
-                           wait_idle)
+from test_e2e_grpc import (
+    RPC_TIMEOUT,
+    chunks_of,
+    completes_of,
+    fresh_salt,
+    generate,
+    make_request,
+    one_complete,
+    wait_idle,
+)
 
 
 @pytest.fixture(scope="module")
 def overlap_stub(tmp_path_factory):
-    with Daemon(max_running_requests=16, kv_cache_tokens=8192, extra_args=["--overlap-schedule", "on"],
-                log_dir=tmp_path_factory.mktemp("overlap")) as d, scheduler_stub(d.address) as stub:
+    with (
+        Daemon(
+            max_running_requests=16,
+            kv_cache_tokens=8192,
+            extra_args=["--overlap-schedule", "on"],
+            log_dir=tmp_path_factory.mktemp("overlap"),
+        ) as d,
+        scheduler_stub(d.address) as stub,
+    ):
         yield stub
 
 
@@ -62,13 +77,15 @@ def test_stop_token_and_cancel_mid_stream(overlap_stub):
     prompts = work(8, seed=5)
     ref = one_complete(overlap_stub, make_request(prompts[0], max_new_tokens=12, ignore_eos=True))
     stop_at = list(ref.output_ids)[3]
-    stopped = one_complete(overlap_stub, make_request(prompts[0], max_new_tokens=12, ignore_eos=True,
-                                                      stop_token_ids=[stop_at]))
+    stopped = one_complete(
+        overlap_stub, make_request(prompts[0], max_new_tokens=12, ignore_eos=True, stop_token_ids=[stop_at])
+    )
     assert stopped.finish_reason == "stop" and list(stopped.output_ids) == list(ref.output_ids)[:4]
 
     def cancel_after_two_chunks(ids):
-        call = overlap_stub.Generate(make_request(ids, max_new_tokens=400, ignore_eos=True, stream=True),
-                                     timeout=RPC_TIMEOUT)
+        call = overlap_stub.Generate(
+            make_request(ids, max_new_tokens=400, ignore_eos=True, stream=True), timeout=RPC_TIMEOUT
+        )
         for i, _ in enumerate(call):
             if i == 1:
                 call.cancel()

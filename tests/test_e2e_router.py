@@ -56,9 +56,7 @@ def test_chat_completion_stream(router, model):
         router, "/v1/chat/completions", dict(body, stream=True, stream_options={"include_usage": True})
     )
     assert raw and raw[-1] == "[DONE]", raw[-3:]
-    text = "".join(
-        (c.get("delta") or {}).get("content") or "" for e in events for c in e.get("choices") or []
-    )
+    text = "".join((c.get("delta") or {}).get("content") or "" for e in events for c in e.get("choices") or [])
     assert "Paris" in text, text
     assert text == ref, "streamed text differs from the non-streamed greedy answer"
     content_events = [e for e in events for c in e.get("choices") or [] if (c.get("delta") or {}).get("content")]

@@ -160,14 +160,18 @@ def story_greedy(router, model):
     ],
     ids=["presence", "frequency", "repetition", "top_k_1", "min_p"],
 )
-def test_sampling_knobs_are_forwarded(router, model, grpc_stub, tokenizer, story_ids, story_greedy, knobs, changes_greedy):
+def test_sampling_knobs_are_forwarded(
+    router, model, grpc_stub, tokenizer, story_ids, story_greedy, knobs, changes_greedy
+):
     """Each knob goes through the router unchanged: the router's answer is the daemon's
     answer to the same GenerateRequest sent directly (deterministic settings only)."""
     data = chat(router, model, messages=STORY, max_tokens=KNOB_TOKENS, **knobs)
     assert data["usage"]["prompt_tokens"] == len(story_ids)
     via_router = data["choices"][0]["message"]["content"]
     kw = {"temperature": 0.0, **knobs}
-    c = one_complete(grpc_stub, make_request(story_ids, params=sampling(max_new_tokens=KNOB_TOKENS, **kw)), timeout=TIMEOUT)
+    c = one_complete(
+        grpc_stub, make_request(story_ids, params=sampling(max_new_tokens=KNOB_TOKENS, **kw)), timeout=TIMEOUT
+    )
     direct = tokenizer.decode(list(c.output_ids), skip_special_tokens=True)
     assert via_router == direct, f"{knobs}: router {via_router!r} != direct gRPC {direct!r}"
     if changes_greedy:
@@ -323,8 +327,15 @@ def test_stream_disconnect_frees_kv(router, model, grpc_stub, reference, n):
     """A streaming chat client leaves after a few deltas: the router sends Abort with the
     parent rid; the daemon must stop every choice and free every KV block, and keep serving."""
     assert wait_kv_free(grpc_stub) == (0, 0, 0), "KV held before the test started"
-    body = {"model": model, "messages": STORY, "temperature": 0.7, "max_tokens": 2000, "ignore_eos": True,
-            "stream": True, "n": n}
+    body = {
+        "model": model,
+        "messages": STORY,
+        "temperature": 0.7,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+        "n": n,
+    }
     gen = router.sse("/v1/chat/completions", body, timeout=TIMEOUT)
     got = 0
     for payload in gen:

@@ -14,8 +14,17 @@ import pytest
 import torch
 
 from helpers import wait_kv_free
-from test_e2e_grpc import (KV_FREE, chunks_of, completes_of, fresh_salt, generate, greedy_ids, make_request,
-                           one_complete, sampling)
+from test_e2e_grpc import (
+    KV_FREE,
+    chunks_of,
+    completes_of,
+    fresh_salt,
+    generate,
+    greedy_ids,
+    make_request,
+    one_complete,
+    sampling,
+)
 
 EOS = 2
 
@@ -27,7 +36,9 @@ def story(tokenizer):
 
 @pytest.fixture(scope="module")
 def hi(tokenizer):
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -39,7 +50,9 @@ def hf_model():
     from scheduler.model_source import resolve_model
 
     path = resolve_model("smollm2")
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -81,18 +94,26 @@ def test_seeded_sampling_does_not_depend_on_the_batch(grpc_stub, story, tokenize
         return sample_ids(grpc_stub, prompt, params)
 
     with ThreadPoolExecutor(len(others) + 1) as ex:
-        futs = [ex.submit(run, p, sampling(max_new_tokens=12, temperature=0.8, top_p=0.9, ignore_eos=True)) for p in others]
+        futs = [
+            ex.submit(run, p, sampling(max_new_tokens=12, temperature=0.8, top_p=0.9, ignore_eos=True)) for p in others
+        ]
         mine = ex.submit(run, story, seeded(77, **kw))
         [f.result() for f in futs]
         assert mine.result() == alone
 
 
 def test_n_seeded_choices_differ(grpc_stub, story):
-    msgs = generate(grpc_stub, make_request(story, params=seeded(5, max_new_tokens=12, temperature=1.0, n=2, ignore_eos=True)))
+    msgs = generate(
+        grpc_stub, make_request(story, params=seeded(5, max_new_tokens=12, temperature=1.0, n=2, ignore_eos=True))
+    )
     cs = sorted(completes_of(msgs), key=lambda c: c.index)
     assert len(cs) == 2 and list(cs[0].output_ids) != list(cs[1].output_ids)
-    again = generate(grpc_stub, make_request(story, params=seeded(5, max_new_tokens=12, temperature=1.0, n=2, ignore_eos=True)))
-    assert [list(c.output_ids) for c in sorted(completes_of(again), key=lambda c: c.index)] == [list(c.output_ids) for c in cs]
+    again = generate(
+        grpc_stub, make_request(story, params=seeded(5, max_new_tokens=12, temperature=1.0, n=2, ignore_eos=True))
+    )
+    assert [list(c.output_ids) for c in sorted(completes_of(again), key=lambda c: c.index)] == [
+        list(c.output_ids) for c in cs
+    ]
 
 
 def test_n_sequences_compute_their_prompt_once(grpc_stub):
@@ -100,8 +121,10 @@ def test_n_sequences_compute_their_prompt_once(grpc_stub):
     step and take its blocks from the prefix cache (all but the block holding the last token)."""
     prompt = random.Random(7).choices(range(1000, 40000), k=100)
     # a fresh cache salt: cached nowhere yet, even when this test runs again on the same daemon
-    msgs = generate(grpc_stub, make_request(prompt, params=seeded(3, max_new_tokens=4, temperature=1.0, n=4),
-                                            cache_salt=fresh_salt()))
+    msgs = generate(
+        grpc_stub,
+        make_request(prompt, params=seeded(3, max_new_tokens=4, temperature=1.0, n=4), cache_salt=fresh_salt()),
+    )
     cached = sorted(c.cached_tokens for c in completes_of(msgs))
     assert cached == [0, 96, 96, 96], cached
 
@@ -163,8 +186,11 @@ def test_penalties_follow_the_formulas(grpc_stub, hf_model, story, rep, freq, pr
     n = 24
     plain, _ = greedy_ids(grpc_stub, story, max_new_tokens=n, ignore_eos=True)
     out = sample_ids(
-        grpc_stub, story,
-        sampling(max_new_tokens=n, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres, ignore_eos=True),
+        grpc_stub,
+        story,
+        sampling(
+            max_new_tokens=n, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres, ignore_eos=True
+        ),
     )
     assert out != plain
     logits = hf_logits(hf_model, story + out)
@@ -335,7 +361,9 @@ def test_regex_and_ebnf_constraints(grpc_stub, tokenizer, story, stream):
     assert tokenizer.decode(list(c.output_ids), skip_special_tokens=True) in ("cat", "dog")
 
 
-@pytest.mark.parametrize("kind,spec", [("json_schema", "{not json"), ("regex", "(unclosed"), ("ebnf_grammar", "root ::= ")])
+@pytest.mark.parametrize(
+    "kind,spec", [("json_schema", "{not json"), ("regex", "(unclosed"), ("ebnf_grammar", "root ::= ")]
+)
 def test_bad_constraint_is_a_failed_constraint(grpc_stub, story, kind, spec):
     """As SGLang's servicer answers it: FAILED_PRECONDITION with the trailer the router
     turns into HTTP 422 (router contract, errors)."""

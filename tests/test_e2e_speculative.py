@@ -15,8 +15,15 @@ from test_e2e_overlap import used_tokens
 
 @pytest.fixture(scope="module")
 def spec_stub(tmp_path_factory):
-    with Daemon(max_running_requests=8, kv_cache_tokens=8192, extra_args=["--speculative-algorithm", "ngram"],
-                log_dir=tmp_path_factory.mktemp("speculative")) as d, scheduler_stub(d.address) as stub:
+    with (
+        Daemon(
+            max_running_requests=8,
+            kv_cache_tokens=8192,
+            extra_args=["--speculative-algorithm", "ngram"],
+            log_dir=tmp_path_factory.mktemp("speculative"),
+        ) as d,
+        scheduler_stub(d.address) as stub,
+    ):
         yield stub
 
 
@@ -27,8 +34,9 @@ def repeated_prompt(seed=0):
 
 def test_greedy_stream_matches_the_plain_daemon_and_reports_its_drafts(spec_stub, grpc_stub):
     prompt = repeated_prompt()
-    msgs = generate(spec_stub, make_request(prompt, max_new_tokens=40, ignore_eos=True, stream=True,
-                                            cache_salt=fresh_salt()))
+    msgs = generate(
+        spec_stub, make_request(prompt, max_new_tokens=40, ignore_eos=True, stream=True, cache_salt=fresh_salt())
+    )
     streamed = [t for c in chunks_of(msgs) for t in c.token_ids]
     (done,) = completes_of(msgs)
     plain = one_complete(grpc_stub, make_request(prompt, max_new_tokens=40, ignore_eos=True, cache_salt=fresh_salt()))

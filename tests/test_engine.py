@@ -343,8 +343,9 @@ def test_a_grammar_error_says_whether_the_spec_or_the_grammar_engine_is_at_fault
         '{"type": "object", "properties": 3': "invalid json_schema: not JSON",  # xgrammar: "Check failed"
         '{"type": "strin"}': 'invalid json_schema: Unsupported type "strin"',
         # A valid schema beyond xgrammar's limits (large repetition counts in a pattern):
-        '{"type": "string", "pattern": "([a-z][0-9]){200,2000}"}':
-            "json_schema not supported by the grammar engine (xgrammar): Check failed",
+        '{"type": "string", "pattern": "([a-z][0-9]){200,2000}"}': (
+            "json_schema not supported by the grammar engine (xgrammar): Check failed"
+        ),
     }
     for spec, message in cases.items():
         with pytest.raises(GrammarError, match=re.escape(message)):
@@ -371,8 +372,9 @@ def test_the_compiled_grammar_cache_is_bounded(loaded):
     from scheduler.grammar import GrammarBackend
 
     limit = 256 * 1024
-    backend = GrammarBackend(loaded.path, loaded.config.vocab_size, list(loaded.config.eos_token_ids),
-                             cache_limit_bytes=limit)
+    backend = GrammarBackend(
+        loaded.path, loaded.config.vocab_size, list(loaded.config.eos_token_ids), cache_limit_bytes=limit
+    )
     for i in range(16):  # ~100 KB each here: unbounded, 1.6 MB
         schema = {"type": "object", "properties": {f"field_{i}_{j}": {"type": "integer"} for j in range(8)}}
         backend.compile("json_schema", json.dumps(schema))

@@ -21,8 +21,13 @@ class Client(SimpleNamespace):
     """What HealthState reads of a SchedulerClient; `age` is the heartbeat age it reports."""
 
     def __init__(self):
-        super().__init__(died=asyncio.Event(), ready=asyncio.Event(), dead_reason=None, age=0.1,
-                         liveness=Liveness(last_message=time.monotonic()))
+        super().__init__(
+            died=asyncio.Event(),
+            ready=asyncio.Event(),
+            dead_reason=None,
+            age=0.1,
+            liveness=Liveness(last_message=time.monotonic()),
+        )
         self.ready.set()
 
     def heartbeat_age(self) -> float:

@@ -42,7 +42,10 @@ def isolated(scenario: str, timeout: float = 60.0) -> None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_TESTS.parent / "src"), str(_TESTS), env.get("PYTHONPATH")]))
     r = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), scenario],
-        env=env, capture_output=True, text=True, timeout=timeout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert r.returncode == 0, f"scenario {scenario} failed:\n{r.stdout}\n{r.stderr}"
 
@@ -430,9 +433,7 @@ class Stream:
 
 
 def stored_blocks(batches):
-    return [
-        blk for b in batches for ev in b.events if ev.WhichOneof("data") == "stored" for blk in ev.stored.blocks
-    ]
+    return [blk for b in batches for ev in b.events if ev.WhichOneof("data") == "stored" for blk in ev.stored.blocks]
 
 
 def random_prompt(n):

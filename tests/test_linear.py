@@ -7,7 +7,13 @@ import torch.nn.functional as F
 
 from kernels import cpu_kernels
 from kernels.linear import (
-    COLUMN_BLOCK, PACKED_MAX_ROWS, TRANSPOSED_MAX_ROWS, WIDE_MIN_COLUMNS, can_pack, few_rows_max, linear,
+    COLUMN_BLOCK,
+    PACKED_MAX_ROWS,
+    TRANSPOSED_MAX_ROWS,
+    WIDE_MIN_COLUMNS,
+    can_pack,
+    few_rows_max,
+    linear,
     pack_weight,
 )
 

@@ -85,8 +85,12 @@ def hf_reference(hf, prompt: list[int], max_new: int):
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
-            output_logits=True, return_dict_in_generate=True,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
     return out.sequences[0, len(prompt) :].tolist(), out.logits[0][0].float()
 
@@ -185,9 +189,11 @@ def test_bundled_bf16_is_as_close_to_hf_fp32_as_hf_bf16(bundled):
         # within 3-6 tokens on some prompts; ours, batched, at 2 on one CPU): instead HF fp32's
         # whole path must stay our argmax, or within twice HF bf16's logit error of it.
         tolerance = 2 * hf_err * scale
-        print(f"  HF fp32's path: our largest shortfall {margins.max().item():.3f} (tolerance {tolerance:.3f}); "
-              f"greedy agrees for {_agreeing_prefix(outs[i], ref_tokens)} tokens, HF bf16's for "
-              f"{_agreeing_prefix(hf_bf16_tokens, ref_tokens)}")
+        print(
+            f"  HF fp32's path: our largest shortfall {margins.max().item():.3f} (tolerance {tolerance:.3f}); "
+            f"greedy agrees for {_agreeing_prefix(outs[i], ref_tokens)} tokens, HF bf16's for "
+            f"{_agreeing_prefix(hf_bf16_tokens, ref_tokens)}"
+        )
         assert margins.max().item() <= tolerance, f"prompt {i}: {margins.tolist()}"
 
 
@@ -204,27 +210,58 @@ def test_bundled_chunked_prefill_matches_hf(bundled):
 
 # -- (b) tiny random checkpoints of each family -------------------------------------------
 COMMON = dict(
-    vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=1, eos_token_id=None,
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=None,
     pad_token_id=0,
 )
 FAMILIES = {
-    "llama": ("LlamaConfig", dict(
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-    )),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),  # head_dim != hidden / heads
-    "qwen3-yarn": ("Qwen3Config", dict(  # Qwen's long-context setting: yarn past a 32-token original context
-        head_dim=32, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                      "original_max_position_embeddings": 32},
-    )),
+    "qwen3-yarn": (
+        "Qwen3Config",
+        dict(  # Qwen's long-context setting: yarn past a 32-token original context
+            head_dim=32,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
-    "granite": ("GraniteConfig", dict(  # Llama with four scalars (Granite 3's kind of values)
-        tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
-        logits_scaling=8.0,
-    )),
+    "granite": (
+        "GraniteConfig",
+        dict(  # Llama with four scalars (Granite 3's kind of values)
+            tie_word_embeddings=True,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.0078125,
+            logits_scaling=8.0,
+        ),
+    ),
 }
 
 

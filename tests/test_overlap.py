@@ -144,7 +144,9 @@ def test_requests_needing_host_tokens_fall_back_to_plain_steps(loaded, reference
 def test_length_limit_is_not_scheduled_past(loaded):
     # The last token's step is in flight: the request is not given another row.
     engine = make_engine(loaded)
-    engine.add_request(AddRequest("a", prompts(1)[0], SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)))
+    engine.add_request(
+        AddRequest("a", prompts(1)[0], SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True))
+    )
     steps = []
     while engine.has_work():
         engine.step()
@@ -169,8 +171,9 @@ def test_a_prompt_only_request_samples_nothing_and_warms_the_cache(loaded, overl
     # token_ids_logprob row at the next position (prefill-only scoring), sent once at the end
     from scheduler.messages import AddRequest
 
-    sp = SamplingParams(temperature=0.0, max_new_tokens=0, return_logprob=True, logprob_start_len=0,
-                        token_ids_logprob=[5, 9])
+    sp = SamplingParams(
+        temperature=0.0, max_new_tokens=0, return_logprob=True, logprob_start_len=0, token_ids_logprob=[5, 9]
+    )
     req = engine.add_request(AddRequest("scored", prompt, sp))
     outputs = []
     while engine.has_work():

@@ -8,14 +8,21 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from servicer.request_conversion import InvalidRequest, to_add_request
 
-INFO = {"vocab_size": 1000, "max_context_length": 64, "max_running_requests": 4, "max_queued_requests": None,
-        "max_logprobs": 20}
+INFO = {
+    "vocab_size": 1000,
+    "max_context_length": 64,
+    "max_running_requests": 4,
+    "max_queued_requests": None,
+    "max_logprobs": 20,
+}
 
 
 def request(input_ids, n=1, **sp):
     return pb.GenerateRequest(
-        request_id="r", tokenized=pb.TokenizedInput(input_ids=input_ids),
-        sampling_params=pb.SamplingParams(**{"max_new_tokens": 4, **sp}, n=n), logprob_start_len=-1,
+        request_id="r",
+        tokenized=pb.TokenizedInput(input_ids=input_ids),
+        sampling_params=pb.SamplingParams(**{"max_new_tokens": 4, **sp}, n=n),
+        logprob_start_len=-1,
     )
 
 

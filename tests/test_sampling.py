@@ -36,7 +36,9 @@ def make_req(prompt, outputs=(), rid="r", **sp):
 
 
 def sampler():
-    return BatchSampler(model=None, device=torch.device("cpu"), generator=torch.Generator().manual_seed(0), vocab_size=V)
+    return BatchSampler(
+        model=None, device=torch.device("cpu"), generator=torch.Generator().manual_seed(0), vocab_size=V
+    )
 
 
 # -- greedy, top-k 1, seeds -------------------------------------------------------------
@@ -118,8 +120,14 @@ def ref_filter(row, temperature, top_k, top_p, min_p):
 
 @pytest.mark.parametrize(
     "temperature,top_k,top_p,min_p",
-    [(1.0, 5, 1.0, 0.0), (0.7, -1, 0.5, 0.0), (1.3, 50, 0.9, 0.0), (1.0, -1, 1.0, 0.2), (0.5, 20, 0.95, 0.05),
-     (1.0, 2000, 0.7, 0.0)],
+    [
+        (1.0, 5, 1.0, 0.0),
+        (0.7, -1, 0.5, 0.0),
+        (1.3, 50, 0.9, 0.0),
+        (1.0, -1, 1.0, 0.2),
+        (0.5, 20, 0.95, 0.05),
+        (1.0, 2000, 0.7, 0.0),
+    ],
 )
 def test_filters_match_reference(temperature, top_k, top_p, min_p):
     logits = logits_of(4, seed=11, scale=1.5)
@@ -236,8 +244,15 @@ def test_penalties_match_reference_formulas():
 def test_build_from_requests_applies_penalties_bias_and_min_tokens():
     s = sampler()
     reqs = [
-        make_req([10, 11, 12], [11, 13, 13], rid="a", temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.4,
-                 presence_penalty=0.2),
+        make_req(
+            [10, 11, 12],
+            [11, 13, 13],
+            rid="a",
+            temperature=0.0,
+            repetition_penalty=1.5,
+            frequency_penalty=0.4,
+            presence_penalty=0.2,
+        ),
         make_req([20], [], rid="b", temperature=0.0, logit_bias={7: 100.0}),
         make_req([30], [31], rid="c", temperature=0.0, min_new_tokens=3, stop_token_ids=[9]),
         make_req([40], [], rid="d", temperature=0.0),
@@ -332,8 +347,15 @@ def sched_like_record(logprobs, sampling):
 def test_batch_sampler_records_output_and_input_logprobs():
     s = BatchSampler(FakeModel(), torch.device("cpu"), torch.Generator().manual_seed(0), V)
     prompt = [5, 6, 7, 8]
-    req = make_req(prompt, rid="lp", temperature=0.0, return_logprob=True, top_logprobs_num=3,
-                   token_ids_logprob=[1, 2], logprob_start_len=0)
+    req = make_req(
+        prompt,
+        rid="lp",
+        temperature=0.0,
+        return_logprob=True,
+        top_logprobs_num=3,
+        token_ids_logprob=[1, 2],
+        logprob_start_len=0,
+    )
     other = make_req([9, 9, 9], rid="o", temperature=0.8, top_p=0.9, repetition_penalty=1.2)
     hidden = logits_of(7, seed=9)  # rows 0..3: req's prompt, 4..6: other's prompt
     tokens, logprobs = s.run([req, other], [4, 3], hidden, [3, 6], [req, other])
@@ -393,8 +415,15 @@ class CharTokenizer:
 def feed_all(text, stops, trim=True, min_new=0):
     from scheduler.stop_strings import StopStringChecker
 
-    req = make_req([ord("x")], rid="st", temperature=0.0, stop=stops, no_stop_trim=not trim, min_new_tokens=min_new,
-                   max_new_tokens=len(text) + 5)
+    req = make_req(
+        [ord("x")],
+        rid="st",
+        temperature=0.0,
+        stop=stops,
+        no_stop_trim=not trim,
+        min_new_tokens=min_new,
+        max_new_tokens=len(text) + 5,
+    )
     req.stop_checker = StopStringChecker(CharTokenizer(), stops, [ord("x")], trim=trim)
     safe = []
     for ch in text:

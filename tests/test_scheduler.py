@@ -33,7 +33,9 @@ def run(sched, max_steps=10_000):
     while sched.has_work() and len(steps) < max_steps:
         batch = sched.schedule()
         sampled = [
-            next_token(r) for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens
+            next_token(r)
+            for r, n in zip(batch.requests, batch.num_new_tokens)
+            if r.num_computed_tokens + n == r.num_tokens
         ]
         steps.append((len(batch), batch.num_tokens))
         step(sched, batch, sampled)
@@ -77,8 +79,15 @@ def chunks(batch):
 
 
 def finish_step(sched, batch):
-    step(sched, batch, [next_token(r) for r, n in zip(batch.requests, batch.num_new_tokens)
-                        if r.num_computed_tokens + n == r.num_tokens])
+    step(
+        sched,
+        batch,
+        [
+            next_token(r)
+            for r, n in zip(batch.requests, batch.num_new_tokens)
+            if r.num_computed_tokens + n == r.num_tokens
+        ],
+    )
 
 
 def test_a_short_prompt_starts_while_a_long_one_prefills():
@@ -240,7 +249,12 @@ def test_stop_token_and_eos():
 
 @pytest.mark.parametrize(
     "prompt_len,max_new,code",
-    [(0, 4, "INVALID_ARGUMENT"), (256, 4, "INVALID_ARGUMENT"), (200, 100, "INVALID_ARGUMENT"), (100, 100, "INVALID_ARGUMENT")],
+    [
+        (0, 4, "INVALID_ARGUMENT"),
+        (256, 4, "INVALID_ARGUMENT"),
+        (200, 100, "INVALID_ARGUMENT"),
+        (100, 100, "INVALID_ARGUMENT"),
+    ],
 )
 def test_requests_that_can_never_run_are_refused(prompt_len, max_new, code):
     sched, _ = make_scheduler(num_blocks=40, max_len=256)  # 156 KV tokens
@@ -252,7 +266,9 @@ def test_requests_that_can_never_run_are_refused(prompt_len, max_new, code):
 
 def test_queue_limit_counts_only_requests_beyond_the_free_running_slots():
     pool = BlockPool(64, 4, True)
-    sched = Scheduler(SchedulerConfig(max_running_requests=2, max_queued_requests=1), KVCacheManager(pool), frozenset({2}))
+    sched = Scheduler(
+        SchedulerConfig(max_running_requests=2, max_queued_requests=1), KVCacheManager(pool), frozenset({2})
+    )
     for i in range(2):  # both start at the next step
         add(sched, f"r{i}", [5, 6, 7], max_new=4)
     held = sched.add_request(AddRequest("r2", [5, 6, 7], SamplingParams(max_new_tokens=4)), hold=True)  # counts
@@ -283,8 +299,12 @@ def test_cache_salt_separates_prefix_cache():
     prompt = list(range(40, 53))
     sched.add_request(AddRequest("a", prompt, SamplingParams(temperature=0.0, max_new_tokens=2), cache_salt="tenant-1"))
     run(sched)
-    other = sched.add_request(AddRequest("b", prompt, SamplingParams(temperature=0.0, max_new_tokens=2), cache_salt="tenant-2"))
-    same = sched.add_request(AddRequest("c", prompt, SamplingParams(temperature=0.0, max_new_tokens=2), cache_salt="tenant-1"))
+    other = sched.add_request(
+        AddRequest("b", prompt, SamplingParams(temperature=0.0, max_new_tokens=2), cache_salt="tenant-2")
+    )
+    same = sched.add_request(
+        AddRequest("c", prompt, SamplingParams(temperature=0.0, max_new_tokens=2), cache_salt="tenant-1")
+    )
     run(sched)
     assert other.num_cached_tokens == 0 and same.num_cached_tokens == 12
 
@@ -295,13 +315,17 @@ def test_requests_sharing_a_prompt_compute_it_once():
     sched, pool = make_scheduler(budget=64)
     prompt = list(range(10, 30))  # 5 blocks of 4
     siblings = [add(sched, f"r-n{i}", prompt) for i in range(3)]
-    other = add(sched, "other", list(range(50, 60)))
+    add(sched, "other", list(range(50, 60)))
     first = sched.schedule()
     assert [r.request_id for r in first.requests] == ["r-n0", "other"]  # the rest is passed over
     step(sched, first, [next_token(r) for r in first.requests])
     second = sched.schedule()
     assert {r.request_id: n for r, n in zip(second.requests, second.num_new_tokens)} == {
-        "r-n0": 1, "other": 1, "r-n1": 4, "r-n2": 4}  # the last block holds the last token: recomputed
+        "r-n0": 1,
+        "other": 1,
+        "r-n1": 4,
+        "r-n2": 4,
+    }  # the last block holds the last token: recomputed
     assert [r.num_cached_tokens for r in siblings] == [0, 16, 16]
     step(sched, second, [next_token(r) for r in second.requests])
     run(sched)
@@ -317,8 +341,15 @@ def test_a_chunked_shared_prompt_is_waited_for_chunk_by_chunk():
     while b.num_computed_tokens == 0:
         batch = sched.schedule()
         admitted.append([r.request_id for r in batch.requests])
-        step(sched, batch, [next_token(r) for r, n in zip(batch.requests, batch.num_new_tokens)
-                            if r.num_computed_tokens + n == r.num_tokens])
+        step(
+            sched,
+            batch,
+            [
+                next_token(r)
+                for r, n in zip(batch.requests, batch.num_new_tokens)
+                if r.num_computed_tokens + n == r.num_tokens
+            ],
+        )
     assert admitted[:2] == [["a"], ["a"]] and b.num_cached_tokens == 20  # not 16 and 2 blocks again
     run(sched)
     assert b.output_ids == a.output_ids and pool.num_free_blocks == pool.num_blocks

@@ -8,8 +8,15 @@ from test_scheduler import add, make_scheduler, next_token, run, step
 def step_all(sched):
     """One scheduled step, completed at once; returns the batch."""
     batch = sched.schedule()
-    step(sched, batch, [next_token(r) for r, n in zip(batch.requests, batch.num_new_tokens)
-                        if r.num_computed_tokens + n == r.num_tokens])
+    step(
+        sched,
+        batch,
+        [
+            next_token(r)
+            for r, n in zip(batch.requests, batch.num_new_tokens)
+            if r.num_computed_tokens + n == r.num_tokens
+        ],
+    )
     return batch
 
 

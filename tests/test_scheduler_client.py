@@ -150,8 +150,9 @@ def test_readiness_turns_not_serving_after_30_s_in_one_step():
     ready, died = asyncio.Event(), asyncio.Event()
     ready.set()
     liveness = Liveness(last_message=time.monotonic())
-    client = SimpleNamespace(died=died, ready=ready, liveness=liveness,
-                             heartbeat_age=lambda: time.monotonic() - liveness.last_message)
+    client = SimpleNamespace(
+        died=died, ready=ready, liveness=liveness, heartbeat_age=lambda: time.monotonic() - liveness.last_message
+    )
     health = HealthState(client)
     health.warmed_up = True
     liveness.in_step_s = 29.0

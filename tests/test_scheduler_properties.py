@@ -91,8 +91,16 @@ def make_case(seed: int) -> Case:
             prompt = head + [token() for _ in range(rng.randint(1, 60))]
         arrival = rng.choice([0, 0, rng.randint(0, 25)])
         abort_at = arrival + rng.randint(0, 30) if rng.random() < 0.15 else None
-        specs.append(Spec(f"r{i}", prompt, rng.choice([0, 1, 3, 8, 16]),
-                          [token()] if rng.random() < 0.3 else [], arrival, abort_at))
+        specs.append(
+            Spec(
+                f"r{i}",
+                prompt,
+                rng.choice([0, 1, 3, 8, 16]),
+                [token()] if rng.random() < 0.3 else [],
+                arrival,
+                abort_at,
+            )
+        )
     # Speculation (drawn apart, so the draws above stay as they were): with a periodic model,
     # most prompts quote its own continuation of their first token, as a text quoting its
     # context does.
@@ -110,8 +118,19 @@ def make_case(seed: int) -> Case:
     largest = max(-(-(len(s.prompt) + s.max_new) // block_size) for s in specs)
     budget = rng.choice([1, 2, 3, 5, 8, 16, 32])
     threshold = rng.choice([0, 1, max(budget // 2, 1), rng.randint(1, budget + 4)])
-    return Case(seed, block_size, largest + rng.randint(0, 8), budget, threshold, rng.randint(1, 6),
-                rng.random() < 0.8, rng.choice([0, 1]), drafts, periodic, specs)
+    return Case(
+        seed,
+        block_size,
+        largest + rng.randint(0, 8),
+        budget,
+        threshold,
+        rng.randint(1, 6),
+        rng.random() < 0.8,
+        rng.choice([0, 1]),
+        drafts,
+        periodic,
+        specs,
+    )
 
 
 def generate_alone(spec: Spec, periodic: bool) -> tuple[str, list[int]]:
@@ -120,8 +139,8 @@ def generate_alone(spec: Spec, periodic: bool) -> tuple[str, list[int]]:
     for _ in range(spec.max_new):
         ids.append(next_token(ids, periodic))
         if ids[-1] == EOS or ids[-1] in spec.stop_ids:
-            return "stop", ids[len(spec.prompt):]
-    return "length", ids[len(spec.prompt):]
+            return "stop", ids[len(spec.prompt) :]
+    return "length", ids[len(spec.prompt) :]
 
 
 def check_step(case: Case, sched: Scheduler, pool: BlockPool, batch: ScheduledBatch, where: str) -> None:
@@ -139,14 +158,18 @@ def check_step(case: Case, sched: Scheduler, pool: BlockPool, batch: ScheduledBa
         assert 1 <= n <= left + drafts, f"{where}: {req.request_id} gets {n} tokens with {left} left"
         assert samples == (n - drafts == left), f"{where}: {req.request_id} samples={samples}, {n} of {left} tokens"
         assert not drafts or (n == 1 + drafts and left == 1 and not req.num_pending), (
-            f"{where}: {req.request_id} drafts {req.draft_ids} on a {n}-token chunk, {left} left")
+            f"{where}: {req.request_id} drafts {req.draft_ids} on a {n}-token chunk, {left} left"
+        )
         assert req.num_output_tokens + drafts < max(req.max_new_tokens, 1), (
-            f"{where}: {req.request_id} drafts past max_new_tokens {req.max_new_tokens}")
+            f"{where}: {req.request_id} drafts past max_new_tokens {req.max_new_tokens}"
+        )
         assert not samples or req.num_output_tokens + req.num_pending < max(req.max_new_tokens, 1), (
-            f"{where}: {req.request_id} samples past max_new_tokens {req.max_new_tokens}")
+            f"{where}: {req.request_id} samples past max_new_tokens {req.max_new_tokens}"
+        )
         have = len(req.block_ids) * case.block_size
         assert have >= req.num_computed_tokens + n, (
-            f"{where}: {req.request_id} has blocks for {have} tokens, needs {req.num_computed_tokens + n}")
+            f"{where}: {req.request_id} has blocks for {have} tokens, needs {req.num_computed_tokens + n}"
+        )
     held = Counter(b for r in [*sched.running, *sched.waiting] for b in r.block_ids)
     assert all(not r.block_ids for r in sched.waiting), f"{where}: a waiting request holds blocks"
     wrong = [b.block_id for b in pool.blocks[1:] if b.ref_cnt != held[b.block_id]]
@@ -157,8 +180,9 @@ def simulate(case: Case, threshold: int, drafts: int) -> tuple[dict[str, tuple[s
     """Run the workload to the end, checking every step. Returns each request's (finish
     reason, output ids) and counts of what happened."""
     pool = BlockPool(case.num_blocks + 1, case.block_size, case.prefix_caching)
-    config = SchedulerConfig(case.max_running, case.budget, 4096, long_prefill_token_threshold=threshold,
-                             max_draft_tokens=drafts)
+    config = SchedulerConfig(
+        case.max_running, case.budget, 4096, long_prefill_token_threshold=threshold, max_draft_tokens=drafts
+    )
     sched = Scheduler(config, KVCacheManager(pool), frozenset({EOS}))
     cache_block = pool.cache_block
 
@@ -177,36 +201,50 @@ def simulate(case: Case, threshold: int, drafts: int) -> tuple[dict[str, tuple[s
         assert step < 20_000, f"{where}: no end in sight"
         for spec in case.specs:
             if spec.arrival == step:
-                sched.add_request(AddRequest(spec.rid, spec.prompt, SamplingParams(
-                    temperature=0.0, max_new_tokens=spec.max_new, stop_token_ids=spec.stop_ids)))
+                sched.add_request(
+                    AddRequest(
+                        spec.rid,
+                        spec.prompt,
+                        SamplingParams(temperature=0.0, max_new_tokens=spec.max_new, stop_token_ids=spec.stop_ids),
+                    )
+                )
             if spec.abort_at == step and sched.abort(spec.rid):
                 seen["aborts"] += 1
         batch = sched.schedule()
         check_step(case, sched, pool, batch, where)
         seen["chunks cut at the threshold"] += sum(
             n == threshold < r.num_tokens_with_pending - r.num_computed_tokens
-            for r, n in zip(batch.requests, batch.num_new_tokens))
+            for r, n in zip(batch.requests, batch.num_new_tokens)
+        )
         speculating = any(r.draft_ids for r in batch.requests)
         if len(batch):
             drafted = {r.request_id: (r.num_tokens, list(r.draft_ids)) for r in batch.requests if r.draft_ids}
             sched.advance(batch)  # (a speculating request's row 0 follows its known tokens, not its drafts)
-            inflight.append((batch, [drafted.get(r.request_id, (r.num_computed_tokens, []))
-                                     for r in batch.sampling_requests]))
+            inflight.append(
+                (batch, [drafted.get(r.request_id, (r.num_computed_tokens, [])) for r in batch.sampling_requests])
+            )
         else:
             assert inflight or not sched.has_work(), (
                 f"{where}: an empty step with nothing in flight while requests wait: "
                 f"{[r.request_id for r in sched.waiting]}, run: {[r.request_id for r in sched.running]}, "
-                f"{pool.num_free_blocks} free blocks")
+                f"{pool.num_free_blocks} free blocks"
+            )
         # (a speculating step completes before the next is scheduled, as the engine does)
         while inflight and (len(inflight) > case.lag or not len(batch) or speculating):
             done, rows = inflight.pop(0)  # the model samples what follows the tokens the step computed
-            sched.complete(done, [next_token(r.token_ids[:end] + drafted[:i], case.periodic)
-                                  for r, (end, drafted) in zip(done.sampling_requests, rows)
-                                  for i in range(len(drafted) + 1)])
+            sched.complete(
+                done,
+                [
+                    next_token(r.token_ids[:end] + drafted[:i], case.periodic)
+                    for r, (end, drafted) in zip(done.sampling_requests, rows)
+                    for i in range(len(drafted) + 1)
+                ],
+            )
         for req in sched.take_finished():
             results[req.request_id] = (req.finish_reason, req.output_ids)
             assert req.num_accepted_drafts <= req.num_output_tokens, (
-                f"{where}: {req.request_id} kept {req.num_accepted_drafts} drafts of {req.num_output_tokens} outputs")
+                f"{where}: {req.request_id} kept {req.num_accepted_drafts} drafts of {req.num_output_tokens} outputs"
+            )
         step += 1
     where = f"seed {case.seed} (threshold {threshold}, drafts {drafts}, lag {case.lag})"
     assert not inflight and not sched.requests and not sched.has_work(), f"{where}: requests left at the end"
@@ -249,6 +287,15 @@ def test_the_seeds_cover_what_matters():
     """The random workloads preempt, hit the prefix cache, cut chunks, abort and stop (a
     generator change that loses one of these would leave it untested)."""
     seeds_with = Counter(what for s in SEEDS for what, n in run_case(s).items() if n)
-    for what in ("preemptions", "prefix hits", "chunks cut at the threshold", "aborts", "stop", "length",
-                 "preemptions with a threshold and lag 1", "accepted drafts", "rejected drafts"):
+    for what in (
+        "preemptions",
+        "prefix hits",
+        "chunks cut at the threshold",
+        "aborts",
+        "stop",
+        "length",
+        "preemptions with a threshold and lag 1",
+        "accepted drafts",
+        "rejected drafts",
+    ):
         assert seeds_with[what] >= 5, f"only {seeds_with[what]} of the seeds have {what}: {dict(seeds_with)}"

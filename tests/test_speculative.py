@@ -19,8 +19,9 @@ def loaded():
 
 
 def make_engine(loaded, spec: bool, **overrides):
-    config = EngineConfig(device="cpu", speculative_algorithm="ngram" if spec else None,
-                          **{"kv_cache_tokens": 8192, **overrides})
+    config = EngineConfig(
+        device="cpu", speculative_algorithm="ngram" if spec else None, **{"kv_cache_tokens": 8192, **overrides}
+    )
     return Engine(config, ModelRunner(config, loaded))
 
 
@@ -48,7 +49,10 @@ def test_greedy_tokens_are_unchanged_in_fewer_steps(loaded):
     got = [c.output_ids for c in spec.generate(prompts, greedy())]
     assert got == expected
     sched = spec.scheduler
-    assert sched.num_accepted_drafts > 0.5 * sched.num_draft_tokens > 0, (sched.num_accepted_drafts, sched.num_draft_tokens)
+    assert sched.num_accepted_drafts > 0.5 * sched.num_draft_tokens > 0, (
+        sched.num_accepted_drafts,
+        sched.num_draft_tokens,
+    )
     # (the third prompt repeats nothing: it keeps the batch going for most of its 48 steps)
     assert spec.stats.steps < plain.stats.steps, (spec.stats.steps, plain.stats.steps)
     assert_no_leak(spec)
@@ -73,7 +77,7 @@ def test_ends_inside_a_run_of_accepted_drafts(loaded):
     prompt = repeated(4)
     free = make_engine(loaded, spec=False).generate([prompt], greedy(40))[0].output_ids
     text = load_tokenizer(loaded.path).decode(free[12:20])
-    cases = [greedy(11), greedy(40, stop_token_ids=[free[9]]), greedy(40, stop=[text[len(text) // 2:]])]
+    cases = [greedy(11), greedy(40, stop_token_ids=[free[9]]), greedy(40, stop=[text[len(text) // 2 :]])]
     plain = make_engine(loaded, spec=False).generate([prompt] * 3, cases)
     spec = make_engine(loaded, spec=True)
     got = spec.generate([prompt] * 3, cases)
@@ -109,8 +113,9 @@ def test_sampled_requests_speculate_and_end_whole(loaded):
     """Sampled rows are each the model's own sample: the kept tokens need no correction.
     (Their values differ from a run without speculation, which draws other numbers.)"""
     engine = make_engine(loaded, spec=True)
-    out = engine.generate([repeated(6)] * 4, SamplingParams(temperature=0.3, top_p=0.95, max_new_tokens=40,
-                                                          ignore_eos=True))
+    out = engine.generate(
+        [repeated(6)] * 4, SamplingParams(temperature=0.3, top_p=0.95, max_new_tokens=40, ignore_eos=True)
+    )
     assert all(len(c.output_ids) == 40 and c.finish_reason == "length" for c in out)
     assert engine.scheduler.num_accepted_drafts > 0
     assert_no_leak(engine)

@@ -55,7 +55,7 @@ def test_the_trim_drops_the_whole_token_holding_the_first_byte(tok, ids):
 
 
 def test_a_false_start_across_split_characters_is_released(tok, ids):
-    """"龘X" could start at 龘: its tokens wait until 𝔘 shows it does not; no match ever."""
+    """ "龘X" could start at 龘: its tokens wait until 𝔘 shows it does not; no match ever."""
     safe, match = feed(StopStringChecker(tok, ["龘X"], [1, 2]), ids)
     assert match is None
     assert safe == [1, 1, 1, 1, 1, 1, 7, 8]

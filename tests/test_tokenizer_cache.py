@@ -45,7 +45,9 @@ def test_prune_removes_only_unused_entries_whose_gguf_is_gone_or_changed(tmp_pat
 def test_a_conversion_records_its_source_and_prunes_a_deleted_copy(tmp_path, monkeypatch):
     """(The conversion itself is stubbed: the daemon's start-up runs the real one.)"""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setattr(model_source, "_build_gguf_tokenizer", lambda gguf, out: open(f"{out}/tokenizer.json", "w").close())
+    monkeypatch.setattr(
+        model_source, "_build_gguf_tokenizer", lambda gguf, out: open(f"{out}/tokenizer.json", "w").close()
+    )
     bundled = resolve_model("smollm2")
     first, second = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
     for link in (first, second):  # two "checkouts" of the same file

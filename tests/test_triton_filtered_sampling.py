@@ -38,8 +38,20 @@ def _params(rows: list[tuple], vocab: int):
 
 
 # off, each filter alone, and combinations
-MIXED = [(None, 1.0, 0.0), (5, 1.0, 0.0), (1, 1.0, 0.0), (None, 0.5, 0.0), (None, 0.9, 0.0), (None, 1.0, 0.05),
-         (40, 0.9, 0.0), (10, 0.5, 0.01), (None, 0.9, 0.2), (3, 0.95, 0.1), (200, 0.3, 0.0), (None, 1.0, 0.5)]
+MIXED = [
+    (None, 1.0, 0.0),
+    (5, 1.0, 0.0),
+    (1, 1.0, 0.0),
+    (None, 0.5, 0.0),
+    (None, 0.9, 0.0),
+    (None, 1.0, 0.05),
+    (40, 0.9, 0.0),
+    (10, 0.5, 0.01),
+    (None, 0.9, 0.2),
+    (3, 0.95, 0.1),
+    (200, 0.3, 0.0),
+    (None, 1.0, 0.5),
+]
 
 
 @pytest.mark.parametrize(
@@ -77,8 +89,15 @@ def _kept_distribution(w: torch.Tensor, k: int, p: float, min_w: float) -> torch
 
 # a fixed row with ties (the 0.5s around a k cut) and a masked token
 DIST_ROW = torch.tensor([0.3, 1.0, 0.5, 0.05, 0.5, 0.0, 0.8, 0.15, 0.5, 0.02])
-DIST_PARAMS = [(3, 1.0, 0.0), (2, 1.0, 0.0), (10, 0.6, 0.0), (10, 0.75, 0.0), (10, 1.0, 0.2), (6, 0.9, 0.04),
-               (10, 1.0, 0.0)]
+DIST_PARAMS = [
+    (3, 1.0, 0.0),
+    (2, 1.0, 0.0),
+    (10, 0.6, 0.0),
+    (10, 0.75, 0.0),
+    (10, 1.0, 0.2),
+    (6, 0.9, 0.04),
+    (10, 1.0, 0.0),
+]
 
 
 @pytest.mark.parametrize("k,p,min_w", DIST_PARAMS)
@@ -189,7 +208,9 @@ def test_specialisation_key_ignores_batch_and_vocab():
         w, u = torch.rand(rows, vocab), torch.rand(rows, rounds)
         k, p, m = _params([(None, 1.0, 0.0)] * rows, vocab)
         args = (w, k, p, m, u, torch.empty(rows, dtype=torch.int64), vocab, w.stride(0), rounds, u.stride(0))
-        return tuple(libtriton.native_specialize_impl(BaseBackend, a, False, n not in unspecialised, True)
-                     for n, a in zip(kernel.arg_names, args))
+        return tuple(
+            libtriton.native_specialize_impl(BaseBackend, a, False, n not in unspecialised, True)
+            for n, a in zip(kernel.arg_names, args)
+        )
 
     assert key(1, 151936, 32) == key(17, 151936, 32) == key(256, 32000, 1) == key(3, 1000, 7)

@@ -233,8 +233,13 @@ def _run_python(code: str, env_drop=("TRITON_INTERPRET",)) -> subprocess.Complet
 @pytest.mark.parametrize("rows", [1, 5, 16])
 @pytest.mark.parametrize(
     "norm,residual,bias,gate_up",
-    [(False, False, False, False), (True, False, True, False), (True, True, False, False), (True, True, False, True),
-     (False, False, True, True)],
+    [
+        (False, False, False, False),
+        (True, False, True, False),
+        (True, True, False, False),
+        (True, True, False, True),
+        (False, False, True, True),
+    ],
 )
 def test_small_batch_linear(rows, norm, residual, bias, gate_up, dtype):
     """Against the torch path of the ops it fuses: (x + residual) -> RMSNorm -> linear -> SiLU-mul.
@@ -256,7 +261,11 @@ def test_small_batch_linear(rows, norm, residual, bias, gate_up, dtype):
     nw = randn(K, scale=0.3, shift=1.0) if norm else None
 
     got = small_batch_linear(x, w, b, nw, r, eps=1e-6, gate_up=gate_up)
-    h, new_res = (ref_norm.rms_norm_torch(x, nw, 1e-6, r) if r is not None else (ref_norm.rms_norm_torch(x, nw, 1e-6), x)) if norm else (x, None)
+    h, new_res = (
+        (ref_norm.rms_norm_torch(x, nw, 1e-6, r) if r is not None else (ref_norm.rms_norm_torch(x, nw, 1e-6), x))
+        if norm
+        else (x, None)
+    )
     want = torch.nn.functional.linear(h, w, b)
     if gate_up:
         want = silu_and_mul_torch(want)
@@ -302,7 +311,8 @@ def compile(fn, types, consts, pdl=False):
     assert k.asm["cubin"]
     if pdl:  # waits for the kernel before it, then lets the next one launch (kernels/triton_gemv.py)
         ptx = k.asm["ptx"]
-        assert k.metadata.launch_pdl and ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
+        assert k.metadata.launch_pdl
+        assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
     return k
 
 

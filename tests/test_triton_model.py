@@ -22,7 +22,9 @@ import torch
 pytest.importorskip("triton")
 transformers = pytest.importorskip("transformers")
 
-from kernels import activation, attention as ref_attn, rotary as ref_rotary, triton_ops  # noqa: E402
+from kernels import activation, triton_ops  # noqa: E402
+from kernels import attention as ref_attn  # noqa: E402
+from kernels import rotary as ref_rotary  # noqa: E402
 from kernels.attention import build_varlen  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.cuda_graphs import DecodeGraphs, capture_sizes, decode_inputs, padded_size  # noqa: E402
@@ -63,8 +65,17 @@ def test_silu_and_mul_matches_reference():
 
 # -- the whole model through the engine ----------------------------------------------------
 
-TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, eos_token_id=None)
+TINY = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    eos_token_id=None,
+)
 
 
 def tiny_model(family: str, head_dim: int = 32) -> LoadedModel:
@@ -83,14 +94,22 @@ def tiny_model(family: str, head_dim: int = 32) -> LoadedModel:
 
 
 def engine(loaded: LoadedModel, backend: str, small_batch_gemv: bool = False) -> Engine:
-    config = EngineConfig(model="random", device="cpu", kernel_backend=backend, kv_cache_tokens=1024,
-                          max_num_batched_tokens=48, max_running_requests=8, num_threads=1,
-                          small_batch_gemv=small_batch_gemv)
+    config = EngineConfig(
+        model="random",
+        device="cpu",
+        kernel_backend=backend,
+        kv_cache_tokens=1024,
+        max_num_batched_tokens=48,
+        max_running_requests=8,
+        num_threads=1,
+        small_batch_gemv=small_batch_gemv,
+    )
     return Engine(config, ModelRunner(config, loaded))
 
 
-@pytest.mark.parametrize("family, head_dim", [("qwen3", 32), ("llama", 16), ("qwen3", 80)],
-                         ids=["qwen3", "llama", "qwen3-head_dim-80"])
+@pytest.mark.parametrize(
+    "family, head_dim", [("qwen3", 32), ("llama", 16), ("qwen3", 80)], ids=["qwen3", "llama", "qwen3-head_dim-80"]
+)
 def test_triton_backend_generates_like_torch_backend(family, head_dim):
     loaded = tiny_model(family, head_dim)
     g = torch.Generator().manual_seed(1)
@@ -114,8 +133,15 @@ def test_triton_backend_generates_like_torch_backend(family, head_dim):
 def test_pdl_is_refused_without_a_hopper_gpu(caplog):
     """--pdl needs sm_90+ (griddepcontrol): elsewhere it is refused with a warning, and the
     small-batch kernels launch as usual."""
-    config = EngineConfig(model="random", device="cpu", kernel_backend="triton", kv_cache_tokens=256,
-                          num_threads=1, small_batch_gemv=True, pdl=True)
+    config = EngineConfig(
+        model="random",
+        device="cpu",
+        kernel_backend="triton",
+        kv_cache_tokens=256,
+        num_threads=1,
+        small_batch_gemv=True,
+        pdl=True,
+    )
     with caplog.at_level(logging.WARNING):
         runner = ModelRunner(config, tiny_model("qwen3"))
     layers = runner.model.model.layers
@@ -151,8 +177,9 @@ def test_padded_decode_through_static_buffers_matches_eager():
         meta = build_varlen([1, 1, 1], seq_lens, tables, 16, "cpu")
         eager = model(torch.tensor(ids), meta.positions, kv_a, meta)
         # num_sms=64 makes the graphs' decode attention split the keys (flash-decoding) 16 ways
-        graphs = DecodeGraphs(model, kv_b, max_batch=8, max_blocks=16, block_size=16, device=torch.device("cpu"),
-                              num_sms=64)
+        graphs = DecodeGraphs(
+            model, kv_b, max_batch=8, max_blocks=16, block_size=16, device=torch.device("cpu"), num_sms=64
+        )
         bs = graphs.load_inputs(ids, seq_lens, tables)
         assert bs == 4
         padded = graphs._forward(bs)
@@ -203,9 +230,15 @@ def test_filtered_rows_sample_on_the_device_through_the_rejection_kernel():
     def run(rows: list[int]):
         seeded = [(j, torch.Generator().manual_seed(11)) for j, r in enumerate(rows) if r == 5]
         p = SamplingTensors.build(
-            [temperature[r] for r in rows], [top_p[r] for r in rows], [top_k[r] for r in rows], "cpu",
-            min_p=[min_p[r] for r in rows], seeded=seeded, vocab=vocab,
-            kernel_generator=torch.Generator().manual_seed(len(rows)))
+            [temperature[r] for r in rows],
+            [top_p[r] for r in rows],
+            [top_k[r] for r in rows],
+            "cpu",
+            min_p=[min_p[r] for r in rows],
+            seeded=seeded,
+            vocab=vocab,
+            kernel_generator=torch.Generator().manual_seed(len(rows)),
+        )
         assert p.uniforms is not None
         return sample(logits[rows].clone(), p).tolist()
 

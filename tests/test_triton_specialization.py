@@ -31,7 +31,6 @@ from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.messages import SamplingParams  # noqa: E402
 from scheduler.model_runner import ModelRunner, warmup_batches  # noqa: E402
-
 from test_triton_model import tiny_model  # noqa: E402
 
 H100_SMS = 132  # decode split factors as on an H100, so that they vary with the batch
@@ -94,9 +93,17 @@ def test_warmup_batches_cover_each_decode_split_and_both_prefill_tiles():
 @pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
 @pytest.mark.parametrize("small_batch_gemv", [False, True], ids=["cublas", "small-batch-gemv"])
 def test_engine_steps_launch_only_warmed_up_kernel_variants(monkeypatch, small_batch_gemv):
-    config = EngineConfig(model="random", device="cpu", kernel_backend="triton", kv_cache_tokens=16384,
-                          max_num_batched_tokens=160, max_running_requests=160, num_threads=1, seed=0,
-                          small_batch_gemv=small_batch_gemv)
+    config = EngineConfig(
+        model="random",
+        device="cpu",
+        kernel_backend="triton",
+        kv_cache_tokens=16384,
+        max_num_batched_tokens=160,
+        max_running_requests=160,
+        num_threads=1,
+        seed=0,
+        small_batch_gemv=small_batch_gemv,
+    )
     runner = ModelRunner(config, tiny_model("qwen3"))
     runner.num_sms = H100_SMS
     # the GPU's samplers: fused Gumbel-max for temperature-only rows, the rejection kernel
@@ -127,8 +134,10 @@ def test_engine_steps_launch_only_warmed_up_kernel_variants(monkeypatch, small_b
     # row is greedy: the same batch shapes, the sampler's kernels left to the cublas run.
     sampled = 0.0 if small_batch_gemv else 0.7
     for temperature, phase in zip((sampled, 0.0), phases):
-        params = [SamplingParams(max_new_tokens=m, temperature=temperature * (i % 2), ignore_eos=True)
-                  for i, (_, m) in enumerate(phase)]
+        params = [
+            SamplingParams(max_new_tokens=m, temperature=temperature * (i % 2), ignore_eos=True)
+            for i, (_, m) in enumerate(phase)
+        ]
         for i, p in enumerate(params):  # a few filtered and seeded rows (the filter kernel)
             if temperature and i % 8 == 1:
                 p.top_p, p.top_k = 0.8, 10

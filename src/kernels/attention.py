@@ -77,7 +77,7 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
-    ) -> "AttentionMetadata":
+    ) -> AttentionMetadata:
         """Metadata for a batch whose first requests are decodes (query_len 1)."""
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
@@ -248,8 +248,14 @@ def paged_attention(
     n = meta.num_decodes
     if n:
         native = cpu_kernels.paged_decode_attention(
-            q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-            max_seq_len=meta.decode_max_seq_len or None, out=out[:n],
+            q[:n],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            scale,
+            max_seq_len=meta.decode_max_seq_len or None,
+            out=out[:n],
         )
         if native is None:
             out[:n] = decode_attention_torch(q[:n], k_flat, v_flat, meta, scale)

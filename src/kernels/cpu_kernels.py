@@ -44,7 +44,7 @@ ELEMENT_FLAGS = {torch.float32: [], torch.bfloat16: ["-DELEM_BF16"]}
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_library(name: str, dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
     """Compile (once) and load ``csrc/<name>.c`` for ``dtype``; None if that cannot be done here."""
     if os.environ.get("SERVICER_DISABLE_NATIVE_KERNELS") == "1" or dtype not in ELEMENT_FLAGS:
@@ -115,7 +115,7 @@ _SIGNATURES = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel(library: str, name: str, dtype: torch.dtype):
     """``name`` of ``library``'s ``dtype`` build (e.g. ``silu_mul_bf16``), typed by
     ``_SIGNATURES``; None if unavailable."""
@@ -176,8 +176,20 @@ def paged_decode_attention(
     elif not (out.shape == q.shape and _cpu_elements(q.dtype, out) and out.is_contiguous()):
         return None
     status = kernel(
-        _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(tables), _ptr(lens), _ptr(out),
-        n, heads, kv_heads, head_dim, block_size, tables.shape[1], scale, shares,
+        _ptr(q),
+        _ptr(k_cache),
+        _ptr(v_cache),
+        _ptr(tables),
+        _ptr(lens),
+        _ptr(out),
+        n,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        tables.shape[1],
+        scale,
+        shares,
     )
     return out if status == 0 else None
 
@@ -274,8 +286,25 @@ def qkv_rope_store(
     k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype)
     v = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype)
     kernel(
-        _ptr(qkv), qkv.stride(0), qkv.stride(1), _ptr(q_norm), _ptr(k_norm), eps, _ptr(cos), _ptr(sin), cos.stride(0),
-        _ptr(slot_mapping), _ptr(k_cache), _ptr(v_cache), _ptr(q), _ptr(k), _ptr(v), t, num_heads, num_kv_heads, head_dim,
+        _ptr(qkv),
+        qkv.stride(0),
+        qkv.stride(1),
+        _ptr(q_norm),
+        _ptr(k_norm),
+        eps,
+        _ptr(cos),
+        _ptr(sin),
+        cos.stride(0),
+        _ptr(slot_mapping),
+        _ptr(k_cache),
+        _ptr(v_cache),
+        _ptr(q),
+        _ptr(k),
+        _ptr(v),
+        t,
+        num_heads,
+        num_kv_heads,
+        head_dim,
     )
     return q, k, v
 

@@ -60,8 +60,12 @@ def _few_rows_max() -> dict[tuple[torch.dtype, bool], int]:
     only to 8 (at 10 rows 43.7 -> 42.5 ms, at 16 rows 55.7 -> 47.8). bf16: to 4 either way
     (from 6 rows on, torch's bf16 GEMM, AMX where there is one, is faster)."""
     fp32 = 24 if cpu_kernels.has_avx512() else 12
-    return {(torch.float32, False): fp32, (torch.float32, True): min(fp32, 8),
-            (torch.bfloat16, False): 4, (torch.bfloat16, True): 4}
+    return {
+        (torch.float32, False): fp32,
+        (torch.float32, True): min(fp32, 8),
+        (torch.bfloat16, False): 4,
+        (torch.bfloat16, True): 4,
+    }
 
 
 FEW_ROWS_MAX = _few_rows_max()
@@ -88,7 +92,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, row_major: bool = True,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    row_major: bool = True,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[T, N]``; with ``row_major=False`` a short CPU batch's result may stay column-major

@@ -30,7 +30,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
         wavelen = 2 * math.pi / inv_freq
         smooth = (old_len / wavelen - low) / (high - low)
         blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        return torch.where(wavelen > old_len / low, inv_freq / factor, torch.where(wavelen < old_len / high, inv_freq, blended))
+        return torch.where(
+            wavelen > old_len / low, inv_freq / factor, torch.where(wavelen < old_len / high, inv_freq, blended)
+        )
     if kind == "yarn":
         return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     raise NotImplementedError(f"rope scaling type {kind!r} is not supported")

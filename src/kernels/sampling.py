@@ -82,7 +82,7 @@ class Penalties:
         prompt_tokens: list[torch.Tensor],
         vocab: int,
         device,
-    ) -> "Penalties":
+    ) -> Penalties:
         """Per penalised batch row j: its parameters and CPU int64 token ids. One
         transfer per index tensor; no per-row work on the device."""
         pen = Penalties()
@@ -151,13 +151,17 @@ class SamplingTensors:
         )
 
     @staticmethod
-    def temperature_only(num_rows: int, fused_temperature: torch.Tensor | None = None) -> "SamplingTensors":
+    def temperature_only(num_rows: int, fused_temperature: torch.Tensor | None = None) -> SamplingTensors:
         """Rows that are all greedy (no ``fused_temperature``) or only set a temperature
         (``fused_temperature [N]``, 0 for greedy rows: the fused kernel's one input)."""
         none = torch.empty(0)
         return SamplingTensors(
-            temperature=none, top_p=none, top_k=none.long(), all_greedy=fused_temperature is None,
-            num_rows=0 if fused_temperature is None else num_rows, fused_temperature=fused_temperature,
+            temperature=none,
+            top_p=none,
+            top_k=none.long(),
+            all_greedy=fused_temperature is None,
+            num_rows=0 if fused_temperature is None else num_rows,
+            fused_temperature=fused_temperature,
         )
 
     @staticmethod
@@ -172,7 +176,7 @@ class SamplingTensors:
         upload=None,
         kernel_generator: torch.Generator | None = None,
         **extra,
-    ) -> "SamplingTensors":
+    ) -> SamplingTensors:
         """Per-row parameters as lists (temperature < MIN_TEMPERATURE or top_k 1: greedy; top_k <= 0:
         off); ``seeded``: (batch row, CPU generator); ``upload``: host numpy array -> device
         tensor (``scheduler.transfer.HostToDevice``: never waits for the GPU);
@@ -196,8 +200,9 @@ class SamplingTensors:
                 flat[f * seg : f * seg + len(values)] = values
             return upload(flat)
 
-        floats = packed([[temperature[i] for i in rows], ps] + ([[min_p[i] for i in rows]] if any_min_p else []),
-                        np.float32)
+        floats = packed(
+            [[temperature[i] for i in rows], ps] + ([[min_p[i] for i in rows]] if any_min_p else []), np.float32
+        )
         greedy = sorted(set(range(n)) - set(rows)) if r < n else []
         ints = packed([ks] + ([rows, greedy] if r < n else []), np.int64)
         seeded = [(position[i], g) for i, g in seeded if i in position]  # (its row among the sampling rows)
@@ -240,7 +245,9 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
     flat = logits.view(-1)
     if pen.rep_index is not None:
         v = flat[pen.rep_index]
-        flat[pen.rep_index] = torch.where(v > 0, (v / pen.rep_factor).clamp_(max=MAX_PENALISED_LOGIT), v * pen.rep_factor)
+        flat[pen.rep_index] = torch.where(
+            v > 0, (v / pen.rep_factor).clamp_(max=MAX_PENALISED_LOGIT), v * pen.rep_factor
+        )
     if pen.out_index is not None:
         flat.index_add_(0, pen.out_index, -pen.frequency)
         flat[pen.out_index] = flat[pen.out_index] - pen.presence

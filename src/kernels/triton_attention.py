@@ -71,15 +71,27 @@ def _kernels():
     # (== 1, % 16) would compile new variants mid-run (tests/test_triton_specialization.py).
     @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
     def _unified_attention_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-        block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-        part_acc_ptr, part_ml_ptr,  # split-KV partials: [T, H, NUM_SPLITS, HEAD_PAD] and [T, H, NUM_SPLITS, 2] fp32
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        out_ptr,
+        block_tables_ptr,
+        query_start_loc_ptr,
+        seq_lens_ptr,
+        part_acc_ptr,
+        part_ml_ptr,  # split-KV partials: [T, H, NUM_SPLITS, HEAD_PAD] and [T, H, NUM_SPLITS, 2] fp32
         qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
         num_seqs,
-        stride_qt, stride_qh,
-        stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh,
-        stride_ot, stride_oh,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_ot,
+        stride_oh,
         stride_bt,
         BLOCK_SIZE: tl.constexpr,  # KV cache block size (tokens per block)
         G: tl.constexpr,  # query heads per KV head
@@ -184,8 +196,17 @@ def _kernels():
 
     @triton.jit(do_not_specialize=["num_seqs"])
     def _combine_splits_kernel(
-        part_acc_ptr, part_ml_ptr, out_ptr, query_start_loc_ptr, num_seqs, stride_ot, stride_oh,
-        H: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+        part_acc_ptr,
+        part_ml_ptr,
+        out_ptr,
+        query_start_loc_ptr,
+        num_seqs,
+        stride_ot,
+        stride_oh,
+        H: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
         PDL: tl.constexpr,
     ):
         if PDL:
@@ -200,16 +221,20 @@ def _kernels():
         split_ok = t + splits * 0 < num_rows  # (masks as tensors: the interpreter refuses a scalar one)
         base = (t * H + h) * NUM_SPLITS
         m = tl.load(part_ml_ptr + (base + splits) * 2, mask=split_ok, other=float("-inf"))
-        l = tl.load(part_ml_ptr + (base + splits) * 2 + 1, mask=split_ok, other=0.0)
+        denom = tl.load(part_ml_ptr + (base + splits) * 2 + 1, mask=split_ok, other=0.0)
         m_max = tl.max(m, 0)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        w = tl.where(l > 0.0, tl.exp2(m - m_max), 0.0)  # empty splits (no keys) weigh nothing
-        acc = tl.load(part_acc_ptr + (base + splits)[:, None] * HEAD_PAD + dims[None, :], mask=split_ok[:, None],
-                      other=0.0)
-        total = tl.sum(l * w, 0)
+        w = tl.where(denom > 0.0, tl.exp2(m - m_max), 0.0)  # empty splits (no keys) weigh nothing
+        acc = tl.load(
+            part_acc_ptr + (base + splits)[:, None] * HEAD_PAD + dims[None, :], mask=split_ok[:, None], other=0.0
+        )
+        total = tl.sum(denom * w, 0)
         out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-        tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
-                 mask=(dims < HEAD_DIM) & (t + dims * 0 < num_rows))
+        tl.store(
+            out_ptr + t * stride_ot + h * stride_oh + dims,
+            out.to(out_ptr.dtype.element_ty),
+            mask=(dims < HEAD_DIM) & (t + dims * 0 < num_rows),
+        )
 
     return _unified_attention_kernel, _combine_splits_kernel
 
@@ -295,15 +320,27 @@ def unified_attention(
     pdl_launch = {"launch_pdl": True} if pdl else {}  # only when set: HIP has no such option
     extra.update(pdl_launch)
     kernel[grid](
-        q, k_cache, v_cache, out,
-        block_tables, query_start_loc, seq_lens,
-        part_acc, part_ml,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        part_acc,
+        part_ml,
         float(scale) * 1.4426950408889634,
         B,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
         block_tables.stride(0),
         BLOCK_SIZE=block_size,
         G=g,
@@ -319,6 +356,19 @@ def unified_attention(
         **extra,
     )
     if num_splits > 1:
-        combine[(T, H)](part_acc, part_ml, out, query_start_loc, B, out.stride(0), out.stride(1),
-                        H=H, NUM_SPLITS=num_splits, HEAD_DIM=D, HEAD_PAD=head_pad, PDL=pdl, **pdl_launch)
+        combine[(T, H)](
+            part_acc,
+            part_ml,
+            out,
+            query_start_loc,
+            B,
+            out.stride(0),
+            out.stride(1),
+            H=H,
+            NUM_SPLITS=num_splits,
+            HEAD_DIM=D,
+            HEAD_PAD=head_pad,
+            PDL=pdl,
+            **pdl_launch,
+        )
     return out

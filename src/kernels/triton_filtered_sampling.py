@@ -40,7 +40,16 @@ def _kernel():
     # vocab, strides and rounds are plain runtime ints: a new batch size or vocab never recompiles
     @triton.jit(do_not_specialize=["vocab", "stride_w", "rounds", "stride_u"])
     def _filtered_sample_kernel(
-        w_ptr, top_k_ptr, top_p_ptr, min_w_ptr, u_ptr, out_ptr, vocab, stride_w, rounds, stride_u,
+        w_ptr,
+        top_k_ptr,
+        top_p_ptr,
+        min_w_ptr,
+        u_ptr,
+        out_ptr,
+        vocab,
+        stride_w,
+        rounds,
+        stride_u,
         BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -141,8 +150,18 @@ def filtered_sample(
     out = torch.empty(n, dtype=torch.int64, device=weights.device)
     if n:
         _kernel()[(n,)](
-            weights, top_k, top_p, min_w, uniforms, out, vocab, weights.stride(0), uniforms.shape[1],
-            uniforms.stride(0), BLOCK=block, num_warps=NUM_WARPS,
+            weights,
+            top_k,
+            top_p,
+            min_w,
+            uniforms,
+            out,
+            vocab,
+            weights.stride(0),
+            uniforms.shape[1],
+            uniforms.stride(0),
+            BLOCK=block,
+            num_warps=NUM_WARPS,
         )
     return out
 

@@ -48,13 +48,33 @@ def _kernel():
 
     @triton.jit(do_not_specialize=["M"])
     def _small_batch_linear_kernel(
-        x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr,
-        M, K, N,  # N: output columns (GATE_UP: the weight has 2N rows, gate then up)
-        stride_xm, stride_rm, stride_wn, stride_om, stride_rom,
+        x_ptr,
+        res_ptr,
+        norm_w_ptr,
+        w_ptr,
+        bias_ptr,
+        out_ptr,
+        res_out_ptr,
+        M,
+        K,
+        N,  # N: output columns (GATE_UP: the weight has 2N rows, gate then up)
+        stride_xm,
+        stride_rm,
+        stride_wn,
+        stride_om,
+        stride_rom,
         eps,
-        HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PDL: tl.constexpr, LINE: tl.constexpr, K_LINES: tl.constexpr,  # LINE: elements per 128-byte line
+        HAS_NORM: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        GATE_UP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
+        LINE: tl.constexpr,
+        K_LINES: tl.constexpr,  # LINE: elements per 128-byte line
     ):
         pid = tl.program_id(0)
         rows = tl.arange(0, BLOCK_M)
@@ -66,8 +86,14 @@ def _kernel():
             lines = tl.minimum(tl.arange(0, K_LINES) * LINE, K - 1)
             pf = w_ptr + tl.minimum(cols, N - 1)[:, None].to(tl.int64) * stride_wn + lines[None, :]
             for half in tl.static_range(2 if GATE_UP else 1):  # gate|up: the up rows too, N rows on
-                tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                          [pf + half * N.to(tl.int64) * stride_wn], dtype=tl.int32, is_pure=False, pack=1)
+                tl.inline_asm_elementwise(
+                    "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+                    "=r,l",
+                    [pf + half * N.to(tl.int64) * stride_wn],
+                    dtype=tl.int32,
+                    is_pure=False,
+                    pack=1,
+                )
             gdc_wait()
             gdc_launch_dependents()
         ty = x_ptr.dtype.element_ty
@@ -164,17 +190,33 @@ def small_batch_linear(
     res_out = torch.empty_like(x) if residual is not None else out
     if M:
         _kernel()[(cdiv(n, block_n),)](
-            x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
-            bias if bias is not None else weight, out, res_out,
-            M, K, n,
-            x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
-            res_out.stride(0), float(eps),
-            HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-            GATE_UP=gate_up, BLOCK_M=SMALL_BATCH_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+            x,
+            residual if residual is not None else x,
+            norm_weight if norm_weight is not None else x,
+            weight,
+            bias if bias is not None else weight,
+            out,
+            res_out,
+            M,
+            K,
+            n,
+            x.stride(0),
+            residual.stride(0) if residual is not None else 0,
+            weight.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            float(eps),
+            HAS_NORM=norm_weight is not None,
+            HAS_RESIDUAL=residual is not None,
+            HAS_BIAS=bias is not None,
+            GATE_UP=gate_up,
+            BLOCK_M=SMALL_BATCH_ROWS,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            PDL=pdl, **_prefetch_lines(K, weight.element_size(), pdl),
+            PDL=pdl,
+            **_prefetch_lines(K, weight.element_size(), pdl),
         )
     if norm_weight is None:
         return out
     return out, (res_out if residual is not None else x)
-

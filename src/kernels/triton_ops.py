@@ -43,12 +43,25 @@ def _kernels():
 
     @triton.jit
     def _store_kv_kernel(
-        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-        stride_kt, stride_kh, stride_vt, stride_vh,
-        stride_kcb, stride_kcs, stride_kch,
-        stride_vcb, stride_vcs, stride_vch,
-        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        HEADS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr,
+        k_ptr,
+        v_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_ptr,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_kcb,
+        stride_kcs,
+        stride_kch,
+        stride_vcb,
+        stride_vcs,
+        stride_vch,
+        NUM_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEADS_PAD: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
     ):
         t = tl.program_id(0)
@@ -70,10 +83,19 @@ def _kernels():
 
     @triton.jit
     def _rms_norm_kernel(
-        x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-        stride_x, stride_r, stride_o, stride_ro,
-        N, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        res_out_ptr,
+        stride_x,
+        stride_r,
+        stride_o,
+        stride_ro,
+        N,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -87,14 +109,28 @@ def _kernels():
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
         y = (xf * rstd).to(x_ptr.dtype.element_ty)  # rounded before the weight, as the reference
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        tl.store(out_ptr + row * stride_o + cols, (y.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            out_ptr + row * stride_o + cols,
+            (y.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
 
     @triton.jit
     def _rotary_kernel(
-        x_ptr, out_ptr, cos_ptr, sin_ptr,
-        stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, stride_st,
-        NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
-        HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+        x_ptr,
+        out_ptr,
+        cos_ptr,
+        sin_ptr,
+        stride_xt,
+        stride_xh,
+        stride_ot,
+        stride_oh,
+        stride_ct,
+        stride_st,
+        NUM_HEADS: tl.constexpr,
+        HALF: tl.constexpr,
+        HEADS_PAD: tl.constexpr,
+        HALF_PAD: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         heads = tl.arange(0, HEADS_PAD)
@@ -113,12 +149,34 @@ def _kernels():
 
     @triton.jit
     def _qkv_rope_store_kernel(
-        qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
-        stride_t, stride_qo, stride_ct, stride_st,
-        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+        qkv_ptr,
+        q_out_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_ptr,
+        cos_ptr,
+        sin_ptr,
+        qw_ptr,
+        kw_ptr,
+        stride_t,
+        stride_qo,
+        stride_ct,
+        stride_st,
+        stride_kcb,
+        stride_kcs,
+        stride_kch,
+        stride_vcb,
+        stride_vcs,
+        stride_vch,
         eps,
-        H: tl.constexpr, KVH: tl.constexpr, H_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
-        HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+        H: tl.constexpr,
+        KVH: tl.constexpr,
+        H_PAD: tl.constexpr,
+        KVH_PAD: tl.constexpr,
+        HALF: tl.constexpr,
+        HALF_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        HAS_NORM: tl.constexpr,
         PDL: tl.constexpr,  # launched as a programmatic dependent (kernels/triton_gemv.py): wait first
     ):
         if PDL:
@@ -202,11 +260,25 @@ def store_kv(
         return
     kernel = _kernels()[0]
     kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_HEADS=kvh, HEAD_DIM=d, HEADS_PAD=next_pow2(kvh), HEAD_PAD=next_pow2(d),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_HEADS=kvh,
+        HEAD_DIM=d,
+        HEADS_PAD=next_pow2(kvh),
+        HEAD_PAD=next_pow2(d),
         BLOCK_SIZE=k_cache.shape[1],
     )
 
@@ -233,10 +305,19 @@ def rms_norm(
     if rows:
         kernel = _kernels()[1]
         kernel[(rows,)](
-            x2, r2, weight, out, res_out,
-            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
-            n, float(eps),
-            HAS_RESIDUAL=residual is not None, BLOCK=next_pow2(n),
+            x2,
+            r2,
+            weight,
+            out,
+            res_out,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            n,
+            float(eps),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=next_pow2(n),
         )
     out = out.view(shape)
     return out if residual is None else (out, res_out.view(shape))
@@ -249,9 +330,20 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     if T:
         kernel = _kernels()[2]
         kernel[(T,)](
-            x, out, cos, sin,
-            x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
-            NUM_HEADS=h, HALF=d // 2, HEADS_PAD=next_pow2(h), HALF_PAD=next_pow2(d // 2),
+            x,
+            out,
+            cos,
+            sin,
+            x.stride(0),
+            x.stride(1),
+            out.stride(0),
+            out.stride(1),
+            cos.stride(0),
+            sin.stride(0),
+            NUM_HEADS=h,
+            HALF=d // 2,
+            HEADS_PAD=next_pow2(h),
+            HALF_PAD=next_pow2(d // 2),
         )
     return out
 
@@ -291,14 +383,35 @@ def qkv_rope_store(
     has_norm = q_norm_weight is not None
     kernel = _kernels()[3]
     kernel[(T,)](
-        qkv, q, k_cache, v_cache, slot_mapping, cos, sin,
-        q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
-        qkv.stride(0), q.stride(0), cos.stride(0), sin.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        qkv,
+        q,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        cos,
+        sin,
+        q_norm_weight if has_norm else qkv,
+        k_norm_weight if has_norm else qkv,
+        qkv.stride(0),
+        q.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         float(eps),
-        H=num_heads, KVH=num_kv_heads, H_PAD=next_pow2(num_heads), KVH_PAD=next_pow2(num_kv_heads),
-        HALF=d // 2, HALF_PAD=next_pow2(d // 2), BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm, PDL=pdl,
+        H=num_heads,
+        KVH=num_kv_heads,
+        H_PAD=next_pow2(num_heads),
+        KVH_PAD=next_pow2(num_kv_heads),
+        HALF=d // 2,
+        HALF_PAD=next_pow2(d // 2),
+        BLOCK_SIZE=k_cache.shape[1],
+        HAS_NORM=has_norm,
+        PDL=pdl,
         **({"launch_pdl": True} if pdl else {}),  # only when set: HIP has no such option
     )
     return q

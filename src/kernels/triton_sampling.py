@@ -27,8 +27,15 @@ def _kernel():
 
     @triton.jit(do_not_specialize=["seed"])
     def _gumbel_argmax_kernel(
-        logits_ptr, temp_ptr, best_val_ptr, best_idx_ptr, seed, vocab, stride_row,
-        NUM_SLICES: tl.constexpr, BLOCK: tl.constexpr,
+        logits_ptr,
+        temp_ptr,
+        best_val_ptr,
+        best_idx_ptr,
+        seed,
+        vocab,
+        stride_row,
+        NUM_SLICES: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         # One Philox call yields 4 uniforms: the slice is taken as 4 quarters, quarter j
         # using the j-th output (a quarter of the RNG work of one call per token).
@@ -69,7 +76,14 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int) ->
     best_idx = torch.empty((n, slices), dtype=torch.int64, device=logits.device)
     if n:
         _kernel()[(n, slices)](
-            logits, temperature, best_val, best_idx, seed & 0x7FFF_FFFF, vocab, logits.stride(0),
-            NUM_SLICES=slices, BLOCK=VOCAB_SLICE,
+            logits,
+            temperature,
+            best_val,
+            best_idx,
+            seed & 0x7FFF_FFFF,
+            vocab,
+            logits.stride(0),
+            NUM_SLICES=slices,
+            BLOCK=VOCAB_SLICE,
         )
     return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True)).squeeze(1)

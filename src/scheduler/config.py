@@ -48,11 +48,25 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
 def parse_memory_size(text: str) -> int:
     """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
-    units = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
-             "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+    units = {
+        "": 1,
+        "b": 1,
+        "k": 1e3,
+        "kb": 1e3,
+        "kib": 2**10,
+        "m": 1e6,
+        "mb": 1e6,
+        "mib": 2**20,
+        "g": 1e9,
+        "gb": 1e9,
+        "gib": 2**30,
+        "t": 1e12,
+        "tb": 1e12,
+        "tib": 2**40,
+    }
     s = text.strip().lower().replace(" ", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
+    unit = s[len(num) :]
     if not num or unit not in units:
         raise ValueError(f"cannot read memory size {text!r} (try e.g. 2GiB or 512MiB)")
     size = float(num) * units[unit]

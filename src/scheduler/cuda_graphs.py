@@ -58,8 +58,17 @@ def decode_inputs(
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_caches, max_batch: int, max_blocks: int, block_size: int, device: torch.device,
-                 num_sms: int = 1, upload=None):
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        max_batch: int,
+        max_blocks: int,
+        block_size: int,
+        device: torch.device,
+        num_sms: int = 1,
+        upload=None,
+    ):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.upload = upload or HostToDevice(device)  # host arrays -> device, never waiting for the GPU
         self.num_kv_heads, self.num_sms = kv_caches[0][0].shape[2], num_sms
@@ -100,7 +109,9 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         logger.info(
             "captured %d CUDA graphs (batch %s) using %.0f MiB",
-            len(self.sizes), self.sizes, (free_before - torch.cuda.mem_get_info()[0]) / 2**20,
+            len(self.sizes),
+            self.sizes,
+            (free_before - torch.cuda.mem_get_info()[0]) / 2**20,
         )
 
     def can_run(self, num_rows: int) -> bool:

@@ -75,14 +75,20 @@ class Engine:
         if config.speculative_algorithm not in (None, "ngram"):
             raise ValueError(f"speculative algorithm {config.speculative_algorithm!r} is not supported (have: ngram)")
         if config.speculative_algorithm and config.overlap_schedule:
-            raise ValueError("speculative decoding needs each step's tokens before the next is scheduled: "
-                             "it cannot run with the overlap schedule (leave --overlap-schedule at auto or off)")
-        self.overlap = config.overlap_schedule if config.overlap_schedule is not None else (
-            self.runner.device.type != "cpu" and not config.speculative_algorithm)
+            raise ValueError(
+                "speculative decoding needs each step's tokens before the next is scheduled: "
+                "it cannot run with the overlap schedule (leave --overlap-schedule at auto or off)"
+            )
+        self.overlap = (
+            config.overlap_schedule
+            if config.overlap_schedule is not None
+            else (self.runner.device.type != "cpu" and not config.speculative_algorithm)
+        )
         self.inflight: LaunchedStep | None = None  # launched, tokens not yet taken
         self._offline_ids = itertools.count()  # generate()'s request ids
-        self.grammars = GrammarCompiles(self.runner.model_path, mc.vocab_size, sorted(eos),
-                                        config.grammar_compile_timeout_s)  # for requests held meanwhile
+        self.grammars = GrammarCompiles(
+            self.runner.model_path, mc.vocab_size, sorted(eos), config.grammar_compile_timeout_s
+        )  # for requests held meanwhile
         logger.info("overlap schedule: %s", "on" if self.overlap else "off")
         self.load = LoadSnapshot(max_total_num_tokens=self.kv.capacity_tokens)
 
@@ -231,16 +237,12 @@ class Engine:
         }
 
     # -- offline API -------------------------------------------------------------------
-    def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
-    ) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]) -> list[Completion]:
         """Run prompts to completion with continuous batching; results in prompt order.
         All or none: if one prompt is refused (AdmissionError), none stays queued."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         ids = [f"offline-{next(self._offline_ids)}" for _ in prompts]
-        results = {
-            rid: Completion(rid, list(p), [], None, 0, []) for rid, p in zip(ids, prompts)
-        }
+        results = {rid: Completion(rid, list(p), [], None, 0, []) for rid, p in zip(ids, prompts)}
         added = []
         try:
             for rid, prompt, sp in zip(ids, prompts, params):

@@ -48,11 +48,12 @@ GRAMMAR_CACHE_BYTES = 512 * 2**20  # (as vLLM's default)
 class GrammarBackend:
     """The compiler for one model (tokenizer vocabulary), built lazily."""
 
-    _instances: dict[tuple, "GrammarBackend"] = {}
+    _instances: dict[tuple, GrammarBackend] = {}
     _lock = threading.Lock()
 
-    def __init__(self, model_path: str, vocab_size: int, stop_token_ids: list[int],
-                 cache_limit_bytes: int = GRAMMAR_CACHE_BYTES):
+    def __init__(
+        self, model_path: str, vocab_size: int, stop_token_ids: list[int], cache_limit_bytes: int = GRAMMAR_CACHE_BYTES
+    ):
         import xgrammar as xgr
 
         from .stop_strings import load_tokenizer
@@ -60,11 +61,12 @@ class GrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(
             load_tokenizer(model_path), vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
         )
-        self.compiler = xgr.GrammarCompiler(info, max_threads=min(os.cpu_count() or 1, 8),
-                                            cache_limit_bytes=cache_limit_bytes)
+        self.compiler = xgr.GrammarCompiler(
+            info, max_threads=min(os.cpu_count() or 1, 8), cache_limit_bytes=cache_limit_bytes
+        )
 
     @classmethod
-    def get(cls, model_path: str, vocab_size: int, stop_token_ids) -> "GrammarBackend":
+    def get(cls, model_path: str, vocab_size: int, stop_token_ids) -> GrammarBackend:
         key = (model_path, vocab_size, tuple(stop_token_ids))
         with cls._lock:
             backend = cls._instances.get(key)

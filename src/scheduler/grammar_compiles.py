@@ -71,9 +71,12 @@ class GrammarCompiles:
     def check_room(self) -> None:
         """Raises AdmissionError while too many abandoned compiles still run."""
         if len(self.abandoned) >= MAX_ABANDONED_COMPILES:
-            raise AdmissionError("RESOURCE_EXHAUSTED", f"{len(self.abandoned)} abandoned grammar compiles "
-                                 "(past --grammar-compile-timeout, or of cancelled requests) still run; structured "
-                                 "output is refused until they end")
+            raise AdmissionError(
+                "RESOURCE_EXHAUSTED",
+                f"{len(self.abandoned)} abandoned grammar compiles "
+                "(past --grammar-compile-timeout, or of cancelled requests) still run; structured "
+                "output is refused until they end",
+            )
 
     def submit(self, request: Request, kind: str, spec: str) -> None:
         self.jobs[request.request_id] = _Compile(request, kind, spec, self._start(kind, spec))
@@ -105,8 +108,14 @@ class GrammarCompiles:
                     job.started = now
             elif now - job.started > self.timeout_s:
                 del self.jobs[rid]
-                result.refused.append((job.request, CONSTRAINT_FAILED, f"the {job.kind} constraint did not "
-                                       f"compile within {self.timeout_s:g} s (--grammar-compile-timeout); simplify it"))
+                result.refused.append(
+                    (
+                        job.request,
+                        CONSTRAINT_FAILED,
+                        f"the {job.kind} constraint did not "
+                        f"compile within {self.timeout_s:g} s (--grammar-compile-timeout); simplify it",
+                    )
+                )
                 self._disown(job.future)
                 timed_out = True
         if timed_out:

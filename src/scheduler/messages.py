@@ -11,7 +11,7 @@ Kept free of torch imports: the servicer process imports this module too.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -241,7 +241,7 @@ class KvCleared(msgspec.Struct, tag=True):
     pass
 
 
-KvEvent = Union[KvStored, KvRemoved, KvCleared]
+KvEvent = KvStored | KvRemoved | KvCleared
 
 
 class KvEvents(msgspec.Struct, tag=True):
@@ -251,8 +251,8 @@ class KvEvents(msgspec.Struct, tag=True):
     timestamp: float  # wall clock (time.time()) when drained
 
 
-ToScheduler = Union[AddRequest, AbortRequest, ControlRequest]
-FromScheduler = Union[EngineReady, StepOutput, Heartbeat, ControlReply, EngineDead, KvEvents]
+ToScheduler = AddRequest | AbortRequest | ControlRequest
+FromScheduler = EngineReady | StepOutput | Heartbeat | ControlReply | EngineDead | KvEvents
 
 to_scheduler_encoder = msgspec.msgpack.Encoder()
 to_scheduler_decoder = msgspec.msgpack.Decoder(ToScheduler)

@@ -71,7 +71,7 @@ class ModelConfig:
 
     # -- HF ----------------------------------------------------------------------------
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "llama")
         if cfg.get("architectures"):
             architecture = cfg["architectures"][0]
@@ -104,8 +104,10 @@ class ModelConfig:
         quant = cfg.get("quantization_config")
         if quant:
             method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-            raise NotImplementedError(f"quantised checkpoints ({method}) are not supported: serve the unquantised "
-                                      "weights, or a GGUF file (dequantised at load)")
+            raise NotImplementedError(
+                f"quantised checkpoints ({method}) are not supported: serve the unquantised "
+                "weights, or a GGUF file (dequantised at load)"
+            )
         bias = bool(cfg.get("attention_bias", False))
         window = cfg.get("sliding_window")
         if model_type in ("qwen2", "qwen3"):  # sliding only on layers >= max_window_layers, if enabled
@@ -143,7 +145,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_hf_dir(cls, path: str) -> "ModelConfig":
+    def from_hf_dir(cls, path: str) -> ModelConfig:
         """config.json, with the eos list widened by generation_config.json (chat models
         such as Llama 3 Instruct stop on <|eot_id|>, which only the latter names)."""
         with open(os.path.join(path, "config.json")) as f:
@@ -160,7 +162,7 @@ class ModelConfig:
 
     # -- GGUF --------------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, reader) -> "ModelConfig":
+    def from_gguf(cls, reader) -> ModelConfig:
         """From a ``gguf.GGUFReader``'s metadata (``<arch>.*`` keys) and tensor list."""
 
         def field(key: str, default: Any = None) -> Any:

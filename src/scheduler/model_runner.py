@@ -66,8 +66,13 @@ def warmup_batches(max_batch: int, num_kv_heads: int, num_sms: int) -> list[list
 class LaunchedStep:
     """A step whose sampled tokens may still be on their way from the device."""
 
-    def __init__(self, batch: ScheduledBatch, download: Download | None,
-                 logprobs: StepLogprobs | None = None, launched_at: float = 0.0):
+    def __init__(
+        self,
+        batch: ScheduledBatch,
+        download: Download | None,
+        logprobs: StepLogprobs | None = None,
+        launched_at: float = 0.0,
+    ):
         self.batch = batch
         self.download = download
         self.logprobs = logprobs  # prompt and output logprob rows, recorded with the tokens
@@ -104,8 +109,13 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model = build_model(model_config, dtype=dtype)
     model.load_weights(state_dict)  # (consumes it)
     model = model.to(device=device).eval()
-    logger.info("loaded %s: %d layers, %.0fM parameters, in %.1f s", model_config.architecture, model_config.num_layers,
-                sum(p.numel() for p in model.parameters()) / 1e6, time.perf_counter() - started)
+    logger.info(
+        "loaded %s: %d layers, %.0fM parameters, in %.1f s",
+        model_config.architecture,
+        model_config.num_layers,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        time.perf_counter() - started,
+    )
     return LoadedModel(path, model_config, model)
 
 
@@ -133,8 +143,13 @@ class ModelRunner:
         capacity = (self.num_cache_blocks - 1) * self.block_size
         if capacity < self.max_model_len:
             flag = "--kv-cache-tokens" if config.kv_cache_tokens is not None else "--kv-cache-memory"
-            logger.warning("the KV cache holds %d tokens, less than the %d-token context: longer requests "
-                           "will be refused (raise %s or lower --max-model-len)", capacity, self.max_model_len, flag)
+            logger.warning(
+                "the KV cache holds %d tokens, less than the %d-token context: longer requests "
+                "will be refused (raise %s or lower --max-model-len)",
+                capacity,
+                self.max_model_len,
+                flag,
+            )
         self._allocate_kv_cache()
         if self.device.type == "cpu":
             self._pack_cpu_weights()
@@ -142,8 +157,14 @@ class ModelRunner:
         self.generator.manual_seed(config.seed)
         self.upload, self.download = HostToDevice(self.device), DeviceToHost(self.device)
         self.triton = self._use_triton()
-        self.sampler = BatchSampler(self.model, self.device, self.generator, self.model_config.vocab_size, self.upload,
-                                    triton=self.triton and self.device.type == "cuda")
+        self.sampler = BatchSampler(
+            self.model,
+            self.device,
+            self.generator,
+            self.model_config.vocab_size,
+            self.upload,
+            triton=self.triton and self.device.type == "cuda",
+        )
         if config.small_batch_gemv and not self.triton:
             logger.warning("small_batch_gemv needs the Triton kernels (CUDA, or kernel_backend=triton): ignored")
         self.model.use_triton_kernels(self.triton, small_batch_gemv=config.small_batch_gemv, pdl=self._use_pdl())
@@ -161,8 +182,9 @@ class ModelRunner:
         torch.set_flush_denormal(True)  # denormal activations slow x86 math by orders of magnitude
         keep_freed_memory()  # no page faults on every step's activations (cpu_malloc.py)
         if self.dtype == torch.bfloat16 and not cpu_has_bf16():
-            logger.warning("this CPU has no bf16 instructions: torch emulates them, and bfloat16 runs "
-                           "slower than float32 here")
+            logger.warning(
+                "this CPU has no bf16 instructions: torch emulates them, and bfloat16 runs slower than float32 here"
+            )
 
     def _pack_cpu_weights(self) -> None:
         """A packed copy of the projections speeds up CPU batches of a few dozen rows
@@ -176,8 +198,12 @@ class ModelRunner:
             available = free_memory_bytes(self.device)
             enabled = available is not None and self.weight_bytes <= PACKED_WEIGHTS_MAX_SHARE * available
             if not enabled:
-                logger.info("projections not packed: a copy of the %.2f GiB of weights would take more than "
-                            "%d%% of the memory available", self.weight_bytes / 2**30, 100 * PACKED_WEIGHTS_MAX_SHARE)
+                logger.info(
+                    "projections not packed: a copy of the %.2f GiB of weights would take more than "
+                    "%d%% of the memory available",
+                    self.weight_bytes / 2**30,
+                    100 * PACKED_WEIGHTS_MAX_SHARE,
+                )
         if enabled is None or bool(enabled) == packed:
             return
         self.model.pack_cpu_weights(enabled)
@@ -188,8 +214,14 @@ class ModelRunner:
         from .cuda_graphs import DecodeGraphs
 
         self.graphs = DecodeGraphs(
-            self.model, self.kv_caches, self.max_running_requests,
-            cdiv(self.max_model_len, self.block_size), self.block_size, self.device, self.num_sms, self.upload,
+            self.model,
+            self.kv_caches,
+            self.max_running_requests,
+            cdiv(self.max_model_len, self.block_size),
+            self.block_size,
+            self.device,
+            self.num_sms,
+            self.upload,
         )
         self.graphs.capture()
 
@@ -235,8 +267,11 @@ class ModelRunner:
         if not self.config.pdl:
             return False
         usable = (
-            self.triton and self.config.small_batch_gemv and self.device.type == "cuda"
-            and torch.version.hip is None and torch.cuda.get_device_capability(self.device)[0] >= 9
+            self.triton
+            and self.config.small_batch_gemv
+            and self.device.type == "cuda"
+            and torch.version.hip is None
+            and torch.cuda.get_device_capability(self.device)[0] >= 9
         )
         if not usable:
             logger.warning("pdl needs --small-batch-gemv on an NVIDIA GPU of compute capability 9.0 or newer: ignored")
@@ -256,8 +291,10 @@ class ModelRunner:
             raise ValueError(f"--max-model-len {requested} exceeds the model's context ({limit} tokens)")
         if mc.sliding_window and mc.sliding_window < limit:
             if requested and requested > mc.sliding_window:
-                raise ValueError(f"--max-model-len {requested} exceeds the model's sliding window "
-                                 f"({mc.sliding_window}): attention here is full, exact only that far")
+                raise ValueError(
+                    f"--max-model-len {requested} exceeds the model's sliding window "
+                    f"({mc.sliding_window}): attention here is full, exact only that far"
+                )
             logger.warning("context limited to the model's sliding window: %d tokens", mc.sliding_window)
             limit = mc.sliding_window
         return requested or limit  # (a larger one was refused above)
@@ -270,17 +307,21 @@ class ModelRunner:
             budget = parse_memory_size(self.config.kv_cache_memory)
             free = free_memory_bytes(self.device)
             if free is not None and budget > free:
-                raise ValueError(f"--kv-cache-memory {self.config.kv_cache_memory} is more than the "
-                                 f"{free / 2**30:.1f} GiB {self.device.type} memory still available")
+                raise ValueError(
+                    f"--kv-cache-memory {self.config.kv_cache_memory} is more than the "
+                    f"{free / 2**30:.1f} GiB {self.device.type} memory still available"
+                )
         elif self.device.type == "cpu":
             budget = CPU_DEFAULT_KV_BYTES
         else:
             budget = int(free_memory_bytes(self.device) * GPU_MEMORY_FRACTION)
         num_blocks = budget // per_block
         if num_blocks < 2:  # the null block and one for requests: a floor would overrun the budget
-            raise ValueError(f"a KV cache of {budget / 2**20:.1f} MiB holds fewer than 2 blocks of {self.block_size} "
-                             f"tokens ({per_block / 2**20:.1f} MiB each, one of them the null block): "
-                             "give more memory (--kv-cache-memory) or a smaller --block-size")
+            raise ValueError(
+                f"a KV cache of {budget / 2**20:.1f} MiB holds fewer than 2 blocks of {self.block_size} "
+                f"tokens ({per_block / 2**20:.1f} MiB each, one of them the null block): "
+                "give more memory (--kv-cache-memory) or a smaller --block-size"
+            )
         return num_blocks
 
     def _allocate_kv_cache(self) -> None:
@@ -366,4 +407,3 @@ class ModelRunner:
             ids[index[:n]] = values
 
         return patch
-

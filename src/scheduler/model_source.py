@@ -56,8 +56,10 @@ def resolve_model(model: str) -> str:
 def _cache_roots() -> list[str]:
     """The user cache, then a temp dir (for a read-only home, e.g. a locked-down pod)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return [os.path.join(base, "servicer", "tokenizers"),
-            os.path.join(tempfile.gettempdir(), f"servicer-tokenizers-{os.getuid()}")]
+    return [
+        os.path.join(base, "servicer", "tokenizers"),
+        os.path.join(tempfile.gettempdir(), f"servicer-tokenizers-{os.getuid()}"),
+    ]
 
 
 SOURCE_RECORD = "servicer-source.json"  # in each cache entry: the GGUF it was converted from

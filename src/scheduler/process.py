@@ -98,7 +98,7 @@ def model_info(engine, config: EngineConfig) -> dict:
 class HeartbeatThread(threading.Thread):
     """Proves the process is alive even while a long step holds the main loop."""
 
-    def __init__(self, ctx: zmq.Context, outbox_addr: str, loop: "SchedulerLoop"):
+    def __init__(self, ctx: zmq.Context, outbox_addr: str, loop: SchedulerLoop):
         super().__init__(name="heartbeat", daemon=True)
         self.loop = loop
         self.socket = ctx.socket(zmq.PUSH)  # zmq sockets are not thread-safe: its own
@@ -159,8 +159,12 @@ class SchedulerLoop:
         load = self.engine.load
         logger.info(
             "running %d, waiting %d, KV %d/%d tokens (%.0f%%), generating %.1f tok/s, prefix-cache hits %.0f%%",
-            load.num_running, load.num_waiting, load.num_used_tokens, load.max_total_num_tokens,
-            100 * load.token_usage, load.gen_throughput,
+            load.num_running,
+            load.num_waiting,
+            load.num_used_tokens,
+            load.max_total_num_tokens,
+            100 * load.token_usage,
+            load.gen_throughput,
             100 * load.cache_hit_rate,
         )
 

@@ -41,6 +41,7 @@ def _max_profile_steps() -> int:
         logger.warning("SERVICER_PROFILE_MAX_STEPS=%r is not a number; using %d", value, MAX_PROFILE_STEPS)
         return MAX_PROFILE_STEPS
 
+
 # Activity names as the router / SGLang send them -> what we record.
 _CPU = {"CPU"}
 _CUDA = {"GPU", "CUDA"}
@@ -132,7 +133,10 @@ class StepProfiler:
             state = "waiting for its start step" if self.pending is not None else "running"
             return False, f"a profile is already {state}; stop it first (StopProfile)"
         if self.writing is not None:  # (the loop collects a finished one before each control call)
-            return False, f"the last profile's trace is still being written to {self.writing.path}; try again when it is"
+            return (
+                False,
+                f"the last profile's trace is still being written to {self.writing.path}; try again when it is",
+            )
         if start_step is not None and start_step < 0:
             return False, f"start_step must be >= 0, got {start_step}"
         names = [a.strip().upper() for a in (activities or []) if a.strip()]
@@ -145,7 +149,8 @@ class StepProfiler:
         if num_steps is not None and not 0 < num_steps <= max_steps:
             return False, (
                 f"num_steps must be in [1, {max_steps}], got {num_steps}: building a trace pauses the scheduler, "
-                "longer for longer profiles" + (" with stacks, shapes or memory" if detailed else "")
+                "longer for longer profiles"
+                + (" with stacks, shapes or memory" if detailed else "")
                 + " (SERVICER_PROFILE_MAX_STEPS raises the cap)"
             )
         output_dir = output_dir or DEFAULT_OUTPUT_DIR

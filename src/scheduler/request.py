@@ -39,9 +39,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_ids)
         self.sampling = sampling
         self.max_new_tokens = max_new_tokens
-        self.stop_ids = frozenset(sampling.stop_token_ids) | (
-            frozenset() if sampling.ignore_eos else eos_token_ids
-        )
+        self.stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else eos_token_ids)
         self.hash_extra = hash_extra  # extra prefix-cache key (the cache salt)
         self.status = Status.WAITING
         self.num_computed_tokens = 0
@@ -109,7 +107,11 @@ class Request:
     @property
     def visible_output_ids(self) -> list[int]:
         """The output as reported: without a trimmed stop string's tokens."""
-        end = len(self.token_ids) if self.num_visible_outputs is None else self.num_prompt_tokens + self.num_visible_outputs
+        end = (
+            len(self.token_ids)
+            if self.num_visible_outputs is None
+            else self.num_prompt_tokens + self.num_visible_outputs
+        )
         return self.token_ids[self.num_prompt_tokens : end]
 
     @property
@@ -155,9 +157,12 @@ class Request:
         if self.grammar is not None and not self.grammar.accept_token(token_id):
             # The sampler keeps to the grammar's bitmask: it left a token outside only
             # because the grammar allowed none (e.g. ``root ::= root``), a dead end.
-            self.error = (CONSTRAINT_FAILED, f"the structured-output grammar allows no token after "
-                          f"{self.num_output_tokens - 1} output token(s): it admits no complete output from "
-                          "here (or the penalties ruled out every token it allows)")
+            self.error = (
+                CONSTRAINT_FAILED,
+                f"the structured-output grammar allows no token after "
+                f"{self.num_output_tokens - 1} output token(s): it admits no complete output from "
+                "here (or the penalties ruled out every token it allows)",
+            )
             self.finish("abort")
         elif self._is_stop_token(token_id):
             self.finish("stop", matched_token_id=token_id)

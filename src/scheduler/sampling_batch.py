@@ -51,7 +51,10 @@ class _SamplerState:
         vocabulary, and a per-step walk over its entries would cost every request in the step."""
         if self.bias is None:
             bias = req.sampling.logit_bias
-            self.bias = (np.fromiter(bias.keys(), np.int64, len(bias)), np.fromiter(bias.values(), np.float32, len(bias)))
+            self.bias = (
+                np.fromiter(bias.keys(), np.int64, len(bias)),
+                np.fromiter(bias.values(), np.float32, len(bias)),
+            )
         return self.bias
 
     def token_buffer(self, req: Request) -> torch.Tensor:
@@ -74,8 +77,15 @@ def _state(req: Request) -> _SamplerState:
 
 
 class BatchSampler:
-    def __init__(self, model, device: torch.device, generator: torch.Generator, vocab_size: int, upload=None,
-                 triton: bool | None = None):
+    def __init__(
+        self,
+        model,
+        device: torch.device,
+        generator: torch.Generator,
+        vocab_size: int,
+        upload=None,
+        triton: bool | None = None,
+    ):
         self.model = model
         self.device = device
         self.upload = upload or HostToDevice(device)  # host arrays -> device, never waiting for the GPU
@@ -94,8 +104,16 @@ class BatchSampler:
             from kernels.triton_sampling import gumbel_sample
 
             gumbel_sample(self.model.compute_logits(hidden[:1]), torch.ones(1, device=self.device), 0)
-            params = SamplingTensors.build([1.0], [0.9], [20], self.device, min_p=[0.1], vocab=self.vocab_size,
-                                           upload=self.upload, kernel_generator=self.generator)
+            params = SamplingTensors.build(
+                [1.0],
+                [0.9],
+                [20],
+                self.device,
+                min_p=[0.1],
+                vocab=self.vocab_size,
+                upload=self.upload,
+                kernel_generator=self.generator,
+            )
             sample(self.model.compute_logits(hidden[:1]).float(), params)
 
     @staticmethod
@@ -214,18 +232,30 @@ class BatchSampler:
         if pen_rows:
             extra["penalties"] = Penalties.build(pen_rows, rep, freq, pres, out_tokens, prompt_tokens, vocab, dev)
         if biased:
-            index = self.upload(np.stack([
-                np.concatenate([np.full(len(ids), i, dtype=np.int64) for i, (ids, _) in biased]),
-                np.concatenate([ids for _, (ids, _) in biased]),
-            ]))
+            index = self.upload(
+                np.stack(
+                    [
+                        np.concatenate([np.full(len(ids), i, dtype=np.int64) for i, (ids, _) in biased]),
+                        np.concatenate([ids for _, (ids, _) in biased]),
+                    ]
+                )
+            )
             extra["bias"] = (index[0], index[1], self.upload(np.concatenate([vals for _, (_, vals) in biased])))
         if ban_rows:
             banned = [(i, tok) for i in ban_rows for tok in reqs[i].stop_ids]  # (row, token) pairs
             index = self.upload(np.array(banned, dtype=np.int64).T)
             extra["banned"] = (index[0], index[1])
         return SamplingTensors.build(
-            temperature, top_p, top_k, dev, min_p=min_p if any_min_p else None, seeded=seeded, vocab=vocab,
-            upload=self.upload, kernel_generator=self.generator if self.fused_sampling else None, **extra,
+            temperature,
+            top_p,
+            top_k,
+            dev,
+            min_p=min_p if any_min_p else None,
+            seeded=seeded,
+            vocab=vocab,
+            upload=self.upload,
+            kernel_generator=self.generator if self.fused_sampling else None,
+            **extra,
         )
 
     # -- logprobs ----------------------------------------------------------------------

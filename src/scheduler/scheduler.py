@@ -63,7 +63,7 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.requests)
 
-    def unfinished(self) -> "ScheduledBatch":
+    def unfinished(self) -> ScheduledBatch:
         """The batch without the requests that finished since it was scheduled."""
         keep = [i for i, r in enumerate(self.requests) if not r.is_finished]
         if len(keep) == len(self.requests):
@@ -103,8 +103,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.held: dict[str, Request] = {}  # admitted, not schedulable yet (grammar compiling)
         self.requests: dict[str, Request] = {}
-        self.drafter = (NgramDrafter(config.max_draft_tokens, doubling_rows=config.speculative_doubling_rows)
-                        if config.max_draft_tokens else None)
+        self.drafter = (
+            NgramDrafter(config.max_draft_tokens, doubling_rows=config.speculative_doubling_rows)
+            if config.max_draft_tokens
+            else None
+        )
         self.num_draft_tokens = 0  # drafts verified, and of them kept (speculation's acceptance)
         self.num_accepted_drafts = 0
         self.finished: list[Request] = []  # finished since the last drain (aborts included)
@@ -280,8 +283,9 @@ class Scheduler:
             if not self.drafter.pays(req, decodes):
                 continue
             spare_blocks = len(req.block_ids) + self.kv.pool.num_free_blocks - len(self.running)
-            limit = min(room, req.max_new_tokens - req.num_output_tokens - 1,
-                        spare_blocks * bs - req.num_computed_tokens - 1)
+            limit = min(
+                room, req.max_new_tokens - req.num_output_tokens - 1, spare_blocks * bs - req.num_computed_tokens - 1
+            )
             drafts = self.drafter.propose(req, limit)
             if drafts and self.kv.allocate(req, 1 + len(drafts)):
                 req.draft_ids = drafts

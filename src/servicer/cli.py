@@ -62,88 +62,194 @@ def build_parser() -> argparse.ArgumentParser:
         "of the smg router, grpc.health.v1 and reflection) with its own continuous-batching engine.",
         formatter_class=_HelpFormatter,
     )
-    p.add_argument("--model", default=e.model,
-                   help="model to serve: 'smollm2' (the bundled SmolLM2-135M-Instruct GGUF), a .gguf file, "
-                   "or a Hugging Face model directory (config.json + safetensors)")
-    p.add_argument("--served-model-name", default=e.served_model_name,
-                   help="model id the router shows to clients (default: the --model value as given)")
+    p.add_argument(
+        "--model",
+        default=e.model,
+        help="model to serve: 'smollm2' (the bundled SmolLM2-135M-Instruct GGUF), a .gguf file, "
+        "or a Hugging Face model directory (config.json + safetensors)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=e.served_model_name,
+        help="model id the router shows to clients (default: the --model value as given)",
+    )
     p.add_argument("--host", default=srv.host, help="address to bind the gRPC server to")
     p.add_argument("--port", type=_number(int, 0, 65535), default=srv.port, help="gRPC port")
-    p.add_argument("--device", default=e.device,
-                   help="where the model runs: auto (CUDA, then NPU, else CPU), cpu, cuda, cuda:N, npu, npu:N")
-    p.add_argument("--dtype", default=e.dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weight and KV dtype: auto (float32 on CPU, bfloat16 on accelerators), "
-                   "float32, bfloat16 or float16; bfloat16 also suits CPUs with bf16 instructions "
-                   "(AVX512-BF16, AMX), where it runs about twice as fast as float32")
-    p.add_argument("--max-running-requests", type=_COUNT, default=e.max_running_requests,
-                   help="most requests decoded together in one step; more wait in the queue "
-                   "(default: 64 on CPU, 256 on accelerators)")
-    p.add_argument("--max-queued-requests", type=_number(int, 0), default=e.max_queued_requests,
-                   help="most requests waiting beyond the free running slots; more are refused with "
-                   "RESOURCE_EXHAUSTED, which the router retries (default: no limit)")
-    p.add_argument("--max-num-batched-tokens", type=_COUNT, default=e.max_num_batched_tokens,
-                   help="token budget of one step (decodes + prefill chunks); longer prompts are chunked "
-                   "(default: 512 on CPU, 8192 on accelerators)")
-    p.add_argument("--long-prefill-token-threshold", type=_number(int, 0), default=e.long_prefill_token_threshold,
-                   help="a prompt with more tokens left to compute prefills in chunks of at most this many, "
-                   "one such prompt at a time, so that shorter prompts arriving meanwhile start in the next step "
-                   "instead of queueing behind it (the step budget they leave goes back to it); 0 disables "
-                   "(default: half of --max-num-batched-tokens)")
-    p.add_argument("--max-model-len", type=_COUNT, default=e.max_model_len,
-                   help="context limit in tokens (default: the model's own)")
+    p.add_argument(
+        "--device",
+        default=e.device,
+        help="where the model runs: auto (CUDA, then NPU, else CPU), cpu, cuda, cuda:N, npu, npu:N",
+    )
+    p.add_argument(
+        "--dtype",
+        default=e.dtype,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weight and KV dtype: auto (float32 on CPU, bfloat16 on accelerators), "
+        "float32, bfloat16 or float16; bfloat16 also suits CPUs with bf16 instructions "
+        "(AVX512-BF16, AMX), where it runs about twice as fast as float32",
+    )
+    p.add_argument(
+        "--max-running-requests",
+        type=_COUNT,
+        default=e.max_running_requests,
+        help="most requests decoded together in one step; more wait in the queue "
+        "(default: 64 on CPU, 256 on accelerators)",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=_number(int, 0),
+        default=e.max_queued_requests,
+        help="most requests waiting beyond the free running slots; more are refused with "
+        "RESOURCE_EXHAUSTED, which the router retries (default: no limit)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=_COUNT,
+        default=e.max_num_batched_tokens,
+        help="token budget of one step (decodes + prefill chunks); longer prompts are chunked "
+        "(default: 512 on CPU, 8192 on accelerators)",
+    )
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=_number(int, 0),
+        default=e.long_prefill_token_threshold,
+        help="a prompt with more tokens left to compute prefills in chunks of at most this many, "
+        "one such prompt at a time, so that shorter prompts arriving meanwhile start in the next step "
+        "instead of queueing behind it (the step budget they leave goes back to it); 0 disables "
+        "(default: half of --max-num-batched-tokens)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=_COUNT,
+        default=e.max_model_len,
+        help="context limit in tokens (default: the model's own)",
+    )
     kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-tokens", type=_COUNT, default=e.kv_cache_tokens,
-                    help="KV cache capacity in tokens (default: from --kv-cache-memory)")
-    kv.add_argument("--kv-cache-memory", type=_memory_size, default=e.kv_cache_memory,
-                    help="KV cache size as memory, e.g. 2GiB (default: 2GiB on CPU, "
-                    "85%% of free memory after weights on GPUs)")
+    kv.add_argument(
+        "--kv-cache-tokens",
+        type=_COUNT,
+        default=e.kv_cache_tokens,
+        help="KV cache capacity in tokens (default: from --kv-cache-memory)",
+    )
+    kv.add_argument(
+        "--kv-cache-memory",
+        type=_memory_size,
+        default=e.kv_cache_memory,
+        help="KV cache size as memory, e.g. 2GiB (default: 2GiB on CPU, 85%% of free memory after weights on GPUs)",
+    )
     p.add_argument("--block-size", type=_COUNT, default=e.block_size, help="tokens per KV block")
-    p.add_argument("--disable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="do not share KV blocks between requests with a common prompt prefix")
-    p.add_argument("--kernel-backend", default=e.kernel_backend, choices=["auto", "torch", "triton"],
-                   help="attention/norm/rope kernels: auto (Triton on CUDA GPUs, torch elsewhere), "
-                   "torch (reference path) or triton")
-    p.add_argument("--disable-cuda-graph", dest="cuda_graph", action="store_false",
-                   help="run decode steps eagerly instead of replaying captured CUDA graphs")
-    p.add_argument("--small-batch-gemv", action="store_true",
-                   help="experimental (Triton backend): steps of at most 16 tokens run fused Triton projections "
-                   "(RMSNorm and SiLU-mul folded in) instead of cuBLAS; see bench/bench_n256.py")
-    p.add_argument("--pdl", action="store_true",
-                   help="experimental (with --small-batch-gemv, CUDA sm_90+): those kernels launch as programmatic "
-                   "dependents, each pulling its weights into L2 while the kernel before it finishes")
-    p.add_argument("--overlap-schedule", choices=["auto", "on", "off"], default="auto",
-                   help="launch each step before taking the previous step's tokens, hiding the host's "
-                   "bookkeeping behind the device's work: auto = on for accelerators, off on CPU and with "
-                   "--speculative-algorithm")
-    p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_const", const="off",
-                   help="same as --overlap-schedule off (SGLang's spelling)")
-    p.add_argument("--speculative-algorithm", type=str.lower, choices=["ngram"], default=e.speculative_algorithm,
-                   help="speculative decoding: ngram (prompt lookup: a decoding request's next tokens guessed "
-                   "from what followed the latest earlier occurrence of its last tokens, then verified in the "
-                   "same step; the output is unchanged, greedy or sampled, and repetitive text (code edits, "
-                   "quoting the context) takes fewer steps) (default: off)")
-    p.add_argument("--speculative-num-draft-tokens", type=_COUNT, default=e.speculative_num_draft_tokens,
-                   help="most draft tokens a request verifies per step with --speculative-algorithm (on a CPU, "
-                   "up to 3 keep one request's step on the few-row projections)")
-    p.add_argument("--max-logprobs", type=_number(int, 0), default=e.max_logprobs,
-                   help="most logprobs per token a request may ask for (top_logprobs_num, token_ids_logprob)")
-    p.add_argument("--grammar-compile-timeout", dest="grammar_compile_timeout_s", default=e.grammar_compile_timeout_s,
-                   type=_number(float, math.ulp(0.0), what="a positive number of seconds"), metavar="SECONDS",
-                   help="seconds a structured-output grammar (regex, JSON schema, EBNF) may take to compile "
-                        "before its request is refused")
-    p.add_argument("--num-threads", type=_COUNT, default=e.num_threads,
-                   help="CPU threads for torch (default: all cores); on a host shared with other CPU-heavy "
-                   "processes give fewer than the free cores: the threads wait on each other every step, "
-                   "so one that is descheduled stalls them all")
-    p.add_argument("--seed", type=_number(int, -2**63, 2**64 - 1), default=e.seed, help="seed of the sampler's default generator")
-    p.add_argument("--shutdown-grace-period", dest="shutdown_grace_s", type=_number(float, 0.0), metavar="SECONDS",
-                   default=srv.shutdown_grace_s, help="seconds SIGTERM waits for in-flight requests before aborting them")
-    p.add_argument("--watchdog-timeout", dest="watchdog_timeout_s", default=srv.watchdog_timeout_s,
-                   type=_number(float, 0.0, what="0 (off) or a positive number of seconds"), metavar="SECONDS",
-                   help="seconds the scheduler may go without progress (one step, or no heartbeat) before it is "
-                        "killed and the daemon exits 1 for its supervisor to restart it; 0 disables")
-    p.add_argument("--log-level", default=srv.log_level, choices=["debug", "info", "warning", "error"],
-                   help="logging verbosity of the daemon and its scheduler process")
+    p.add_argument(
+        "--disable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="do not share KV blocks between requests with a common prompt prefix",
+    )
+    p.add_argument(
+        "--kernel-backend",
+        default=e.kernel_backend,
+        choices=["auto", "torch", "triton"],
+        help="attention/norm/rope kernels: auto (Triton on CUDA GPUs, torch elsewhere), "
+        "torch (reference path) or triton",
+    )
+    p.add_argument(
+        "--disable-cuda-graph",
+        dest="cuda_graph",
+        action="store_false",
+        help="run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
+    p.add_argument(
+        "--small-batch-gemv",
+        action="store_true",
+        help="experimental (Triton backend): steps of at most 16 tokens run fused Triton projections "
+        "(RMSNorm and SiLU-mul folded in) instead of cuBLAS; see bench/bench_n256.py",
+    )
+    p.add_argument(
+        "--pdl",
+        action="store_true",
+        help="experimental (with --small-batch-gemv, CUDA sm_90+): those kernels launch as programmatic "
+        "dependents, each pulling its weights into L2 while the kernel before it finishes",
+    )
+    p.add_argument(
+        "--overlap-schedule",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="launch each step before taking the previous step's tokens, hiding the host's "
+        "bookkeeping behind the device's work: auto = on for accelerators, off on CPU and with "
+        "--speculative-algorithm",
+    )
+    p.add_argument(
+        "--disable-overlap-schedule",
+        dest="overlap_schedule",
+        action="store_const",
+        const="off",
+        help="same as --overlap-schedule off (SGLang's spelling)",
+    )
+    p.add_argument(
+        "--speculative-algorithm",
+        type=str.lower,
+        choices=["ngram"],
+        default=e.speculative_algorithm,
+        help="speculative decoding: ngram (prompt lookup: a decoding request's next tokens guessed "
+        "from what followed the latest earlier occurrence of its last tokens, then verified in the "
+        "same step; the output is unchanged, greedy or sampled, and repetitive text (code edits, "
+        "quoting the context) takes fewer steps) (default: off)",
+    )
+    p.add_argument(
+        "--speculative-num-draft-tokens",
+        type=_COUNT,
+        default=e.speculative_num_draft_tokens,
+        help="most draft tokens a request verifies per step with --speculative-algorithm (on a CPU, "
+        "up to 3 keep one request's step on the few-row projections)",
+    )
+    p.add_argument(
+        "--max-logprobs",
+        type=_number(int, 0),
+        default=e.max_logprobs,
+        help="most logprobs per token a request may ask for (top_logprobs_num, token_ids_logprob)",
+    )
+    p.add_argument(
+        "--grammar-compile-timeout",
+        dest="grammar_compile_timeout_s",
+        default=e.grammar_compile_timeout_s,
+        type=_number(float, math.ulp(0.0), what="a positive number of seconds"),
+        metavar="SECONDS",
+        help="seconds a structured-output grammar (regex, JSON schema, EBNF) may take to compile "
+        "before its request is refused",
+    )
+    p.add_argument(
+        "--num-threads",
+        type=_COUNT,
+        default=e.num_threads,
+        help="CPU threads for torch (default: all cores); on a host shared with other CPU-heavy "
+        "processes give fewer than the free cores: the threads wait on each other every step, "
+        "so one that is descheduled stalls them all",
+    )
+    p.add_argument(
+        "--seed", type=_number(int, -(2**63), 2**64 - 1), default=e.seed, help="seed of the sampler's default generator"
+    )
+    p.add_argument(
+        "--shutdown-grace-period",
+        dest="shutdown_grace_s",
+        type=_number(float, 0.0),
+        metavar="SECONDS",
+        default=srv.shutdown_grace_s,
+        help="seconds SIGTERM waits for in-flight requests before aborting them",
+    )
+    p.add_argument(
+        "--watchdog-timeout",
+        dest="watchdog_timeout_s",
+        default=srv.watchdog_timeout_s,
+        type=_number(float, 0.0, what="0 (off) or a positive number of seconds"),
+        metavar="SECONDS",
+        help="seconds the scheduler may go without progress (one step, or no heartbeat) before it is "
+        "killed and the daemon exits 1 for its supervisor to restart it; 0 disables",
+    )
+    p.add_argument(
+        "--log-level",
+        default=srv.log_level,
+        choices=["debug", "info", "warning", "error"],
+        help="logging verbosity of the daemon and its scheduler process",
+    )
     return p
 
 
@@ -151,8 +257,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     if args["speculative_algorithm"] and args["overlap_schedule"] == "on":
-        parser.error("--speculative-algorithm cannot run with --overlap-schedule on (a step's drafts come from "
-                     "the tokens the previous step kept)")
+        parser.error(
+            "--speculative-algorithm cannot run with --overlap-schedule on (a step's drafts come from "
+            "the tokens the previous step kept)"
+        )
     args["overlap_schedule"] = {"auto": None, "on": True, "off": False}[args["overlap_schedule"]]
     engine_fields = set(EngineConfig.__struct_fields__)
     server_fields = {f.name for f in dataclasses.fields(ServerConfig)}

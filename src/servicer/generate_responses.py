@@ -112,8 +112,9 @@ class GenerateResponses:
         lp = seq.logprobs
         msg = pb.OutputLogProbs(token_logprobs=lp.values[start:], token_ids=seq.output_ids[start:])
         if self.request.top_logprobs_num > 0:
-            msg.top_logprobs.extend(pb.TopLogProbs(values=v, token_ids=i)
-                                    for v, i in zip(lp.top_values[start:], lp.top_ids[start:]))
+            msg.top_logprobs.extend(
+                pb.TopLogProbs(values=v, token_ids=i) for v, i in zip(lp.top_values[start:], lp.top_ids[start:])
+            )
         if self.request.token_ids_logprob:
             wanted = list(self.request.token_ids_logprob)
             msg.token_ids_logprobs.extend(pb.TopLogProbs(values=v, token_ids=wanted) for v in lp.ids_values[start:])
@@ -121,7 +122,9 @@ class GenerateResponses:
 
     def _input_logprobs(self, rows: LogprobRows) -> pb.InputLogProbs:
         msg = pb.InputLogProbs(
-            token_logprobs=[pb.InputTokenLogProb() if v is None else pb.InputTokenLogProb(value=v) for v in rows.values],
+            token_logprobs=[
+                pb.InputTokenLogProb() if v is None else pb.InputTokenLogProb(value=v) for v in rows.values
+            ],
             token_ids=rows.token_ids,
         )
         if self.request.top_logprobs_num > 0:

@@ -76,5 +76,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
 
     async def List(self, request, context):
         return health_pb2.HealthListResponse(
-            statuses={name: health_pb2.HealthCheckResponse(status=self.state.status(name)) for name in ("", SERVICE_NAME)}
+            statuses={
+                name: health_pb2.HealthCheckResponse(status=self.state.status(name)) for name in ("", SERVICE_NAME)
+            }
         )

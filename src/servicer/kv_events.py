@@ -63,8 +63,12 @@ def to_proto_events(events: list, event_ids) -> list[common_pb2.KvCacheEvent]:
     for ev in events:
         if isinstance(ev, KvStored):
             if ev.block_size <= 0 or len(ev.token_ids) != ev.block_size or ev.block_hash == ev.parent_hash:
-                logger.warning("dropping a malformed stored KV block (hash %d, %d tokens, block size %d)",
-                               ev.block_hash, len(ev.token_ids), ev.block_size)
+                logger.warning(
+                    "dropping a malformed stored KV block (hash %d, %d tokens, block size %d)",
+                    ev.block_hash,
+                    len(ev.token_ids),
+                    ev.block_size,
+                )
                 run = None
                 continue
             block = common_pb2.KvBlock(block_hash=ev.block_hash, token_ids=ev.token_ids, block_size=ev.block_size)
@@ -174,8 +178,9 @@ class _LoadRecords:
 
 
 class KvEventHub:
-    def __init__(self, history: int = HISTORY_BATCHES, queue_size: int = SUBSCRIBER_QUEUE,
-                 history_blocks: int = HISTORY_BLOCKS):
+    def __init__(
+        self, history: int = HISTORY_BATCHES, queue_size: int = SUBSCRIBER_QUEUE, history_blocks: int = HISTORY_BLOCKS
+    ):
         self.history: deque[tuple[common_pb2.KvEventBatch, int]] = deque()  # (batch, batch_blocks)
         self.history_batches = history
         self.history_blocks = history_blocks
@@ -244,8 +249,12 @@ class KvEventHub:
         except BaseException:
             self.unsubscribe(sub)
             raise
-        logger.info("KV event subscriber joined (cursor %d, %d batch(es) to replay, %d subscriber(s))",
-                    start, len(replay), len(self.subscribers))
+        logger.info(
+            "KV event subscriber joined (cursor %d, %d batch(es) to replay, %d subscriber(s))",
+            start,
+            len(replay),
+            len(self.subscribers),
+        )
         loads = _LoadRecords(client)
         first = True
         last_seq = start  # what load_only batches repeat; 0 until the stream's first batch

@@ -10,7 +10,6 @@ import math
 
 from scheduler.messages import AddRequest, SamplingParams, out_of_vocabulary
 
-
 MAX_N = 1024  # sequences per Generate call (OpenAI allows 128)
 MAX_SEED = 2**64  # seeds are 64-bit; negative ones wrap
 # Stop strings are matched against every new token of the request, inside the scheduler's
@@ -38,7 +37,10 @@ def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
     top_k = sp.top_k if sp.top_k > 0 else -1
     repetition_penalty = sp.repetition_penalty if sp.repetition_penalty != 0 else 1.0
     for name, value in (
-        ("temperature", temperature), ("top_p", top_p), ("min_p", sp.min_p), ("repetition_penalty", repetition_penalty)
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("min_p", sp.min_p),
+        ("repetition_penalty", repetition_penalty),
     ):
         if math.isnan(value) or math.isinf(value):
             raise InvalidRequest(f"sampling_params.{name} must be a finite number, got {value}")
@@ -59,8 +61,9 @@ def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
     # 0 is allowed, as in SGLang: the prompt is prefilled (cached; prompt logprobs) and nothing sampled
     max_new_tokens = sp.max_new_tokens if sp.HasField("max_new_tokens") else None
     if max_new_tokens is not None and sp.min_new_tokens > max_new_tokens:
-        raise InvalidRequest(f"sampling_params.min_new_tokens ({sp.min_new_tokens}) must be at most "
-                             f"max_new_tokens ({max_new_tokens})")
+        raise InvalidRequest(
+            f"sampling_params.min_new_tokens ({sp.min_new_tokens}) must be at most max_new_tokens ({max_new_tokens})"
+        )
     seed = None
     if sp.HasField("custom_params") and "seed" in sp.custom_params.fields:
         value = sp.custom_params.fields["seed"]
@@ -73,8 +76,9 @@ def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
             raise InvalidRequest(f"custom_params.seed must fit in 64 bits, got {number:.6g}")
         seed = int(number) % MAX_SEED
     if len(sp.logit_bias) > MAX_LOGIT_BIAS:
-        raise InvalidRequest(f"sampling_params.logit_bias has {len(sp.logit_bias)} entries; "
-                             f"the most is {MAX_LOGIT_BIAS}")
+        raise InvalidRequest(
+            f"sampling_params.logit_bias has {len(sp.logit_bias)} entries; the most is {MAX_LOGIT_BIAS}"
+        )
     logit_bias = {}
     for key, value in sp.logit_bias.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 10):  # int() also takes "1_0", " 5", "٣"
@@ -113,8 +117,9 @@ def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
 def reject_unsupported(request) -> None:
     """Fields this server cannot honour: an error rather than a silently different answer."""
     if request.lora_id:
-        raise InvalidRequest(f"LoRA adapter {request.lora_id!r} is not loaded (this server serves the base model only)",
-                             "NOT_FOUND")
+        raise InvalidRequest(
+            f"LoRA adapter {request.lora_id!r} is not loaded (this server serves the base model only)", "NOT_FOUND"
+        )
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
         raise InvalidRequest(f"data_parallel_rank {request.data_parallel_rank} does not exist (one rank: 0)")
     unsupported = {
@@ -139,15 +144,16 @@ def to_add_request(request, model_info: dict) -> AddRequest:
         raise InvalidRequest(f"sampling_params.n must be at most {MAX_N}, got {n}")
     queued, running = model_info["max_queued_requests"], model_info["max_running_requests"]
     if queued is not None and n > running + queued:  # its sequences queue one by one: never all admitted
-        raise InvalidRequest(f"sampling_params.n={n} sequences can never be queued together: at most {running} run "
-                             f"and {queued} wait (--max-running-requests, --max-queued-requests)")
+        raise InvalidRequest(
+            f"sampling_params.n={n} sequences can never be queued together: at most {running} run "
+            f"and {queued} wait (--max-running-requests, --max-queued-requests)"
+        )
     num_ids = len(request.tokenized.input_ids)
     if not num_ids:
         raise InvalidRequest("the prompt is empty (tokenized.input_ids has 0 tokens)")
     limit = model_info["max_context_length"]
     if num_ids >= limit:  # before copying or scanning it; the scheduler's admission checks the rest
-        raise InvalidRequest(f"the prompt has {num_ids} tokens; the context limit is {limit} "
-                             "(prompt must be shorter)")
+        raise InvalidRequest(f"the prompt has {num_ids} tokens; the context limit is {limit} (prompt must be shorter)")
     input_ids = list(request.tokenized.input_ids)
     vocab = model_info["vocab_size"]
     bad = out_of_vocabulary(input_ids, vocab)
@@ -168,11 +174,14 @@ def to_add_request(request, model_info: dict) -> AddRequest:
         if request.top_logprobs_num < 0:
             raise InvalidRequest(f"top_logprobs_num must be >= 0, got {request.top_logprobs_num}")
         max_logprobs = model_info["max_logprobs"]
-        for name, count in (("top_logprobs_num", request.top_logprobs_num),
-                            ("token_ids_logprob", len(request.token_ids_logprob))):
+        for name, count in (
+            ("top_logprobs_num", request.top_logprobs_num),
+            ("token_ids_logprob", len(request.token_ids_logprob)),
+        ):
             if count > max_logprobs:
-                raise InvalidRequest(f"{name} asks for {count} logprobs per token; the most is {max_logprobs} "
-                                     "(--max-logprobs)")
+                raise InvalidRequest(
+                    f"{name} asks for {count} logprobs per token; the most is {max_logprobs} (--max-logprobs)"
+                )
         bad = next((t for t in request.token_ids_logprob if t >= vocab), None)
         if bad is not None:
             raise InvalidRequest(f"token_ids_logprob id {bad} is outside the vocabulary (size {vocab})")

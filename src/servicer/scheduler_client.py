@@ -102,11 +102,17 @@ class SchedulerClient:
     async def start(self) -> None:
         """Launch the scheduler process; returns once it is loaded (or raises if it died)."""
         cmd = [
-            sys.executable, "-m", "scheduler.process",
-            "--config", msgspec.json.encode(self.config).decode(),
-            "--inbox", self.inbox_addr,
-            "--outbox", self.outbox_addr,
-            "--log-level", self.log_level,
+            sys.executable,
+            "-m",
+            "scheduler.process",
+            "--config",
+            msgspec.json.encode(self.config).decode(),
+            "--inbox",
+            self.inbox_addr,
+            "--outbox",
+            self.outbox_addr,
+            "--log-level",
+            self.log_level,
         ]
         env = dict(os.environ)
         src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

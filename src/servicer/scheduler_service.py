@@ -17,10 +17,10 @@ from google.protobuf import struct_pb2, timestamp_pb2
 from scheduler.config import EngineConfig
 from scheduler.messages import CONSTRAINT_FAILED
 
+from .generate_responses import GenerateResponses
 from .generated import common_pb2
 from .generated import sglang_scheduler_pb2 as pb
 from .generated import sglang_scheduler_pb2_grpc as pb_grpc
-from .generate_responses import GenerateResponses
 from .health import HealthState
 from .kv_events import KvEventHub
 from .request_conversion import MAX_SEED, InvalidRequest, to_add_request
@@ -87,8 +87,14 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         self.children[rid] = ids
         queue: asyncio.Queue = asyncio.Queue()
         started = time.monotonic()
-        logger.debug("request %s: %d prompt tokens, n=%d, max_new_tokens=%s, stream=%s", rid,
-                     len(base.input_ids), len(ids), base.sampling.max_new_tokens, request.stream)
+        logger.debug(
+            "request %s: %d prompt tokens, n=%d, max_new_tokens=%s, stream=%s",
+            rid,
+            len(base.input_ids),
+            len(ids),
+            base.sampling.max_new_tokens,
+            request.stream,
+        )
         try:
             self._submit(base, ids, queue)
             while not responses.done:
@@ -100,9 +106,14 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
                 for response in responses.on_output(out):
                     yield response
                 if out.finish_reason is not None:
-                    logger.debug("request %s: %s after %d tokens (%d cached prompt tokens) in %.2f s", out.request_id,
-                                 out.finish_reason, out.num_output_tokens, out.num_cached_tokens,
-                                 time.monotonic() - started)
+                    logger.debug(
+                        "request %s: %s after %d tokens (%d cached prompt tokens) in %.2f s",
+                        out.request_id,
+                        out.finish_reason,
+                        out.num_output_tokens,
+                        out.num_cached_tokens,
+                        time.monotonic() - started,
+                    )
         finally:
             # Every sequence's id is let go of: a finished one's at once (the client knows
             # which final outputs arrived, read or not); one still running (client gone, or
@@ -119,8 +130,9 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         n = max(request.sampling_params.n, 1)
         ids = [rid] if n == 1 else [f"{rid}-n{i}" for i in range(n)]
         if any(x in self.children or self.client.has_request(x) for x in (rid, *ids)):
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request id {rid!r} is already in flight (or still being cancelled)")
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight (or still being cancelled)"
+            )
         return ids
 
     def _submit(self, base, ids: list[str], queue: asyncio.Queue) -> None:
@@ -223,7 +235,9 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         """Answered from the scheduler's latest heartbeat: never waits for a step."""
         await self._require_ready(context)
         if request.HasField("dp_rank") and request.dp_rank != 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dp_rank {request.dp_rank} does not exist (dp_size 1)")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"dp_rank {request.dp_rank} does not exist (dp_size 1)"
+            )
         s = self.client.liveness.load
         include = set(request.include) or {"all"}
         wanted = lambda section: "all" in include or section in include  # noqa: E731
@@ -245,7 +259,9 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         )
         if wanted("memory"):
             load.memory.CopyFrom(
-                pb.MemoryMetrics(weight_gb=self.info["weight_gb"], kv_cache_gb=self.info["kv_cache_gb"], token_capacity=total)
+                pb.MemoryMetrics(
+                    weight_gb=self.info["weight_gb"], kv_cache_gb=self.info["kv_cache_gb"], token_capacity=total
+                )
             )
         if wanted("queues"):
             load.queues.CopyFrom(pb.QueueMetrics(waiting=s.num_waiting))
@@ -271,7 +287,9 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         """timeout_s 0: flush now or fail if busy; > 0: wait up to that long for idle."""
         await self._require_ready(context)
         if math.isnan(request.timeout_s):  # (+inf: wait as long as the caller's deadline allows)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be a number, got {request.timeout_s}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be a number, got {request.timeout_s}"
+            )
         deadline = time.monotonic() + max(request.timeout_s, 0)
         while True:
             reply, failure = await self._call_scheduler("flush_cache", timeout=FLUSH_ANSWER_S)
@@ -357,6 +375,7 @@ async def _abort_with_error(context, error_code: str | None, message: str) -> No
     """End the call with a request's error from the scheduler (a gRPC status name, or
     CONSTRAINT_FAILED: FAILED_PRECONDITION with the trailer the router maps to HTTP 422)."""
     if error_code == CONSTRAINT_FAILED:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, message,
-                            trailing_metadata=(("smg-constraint-failed", "engine"),))
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION, message, trailing_metadata=(("smg-constraint-failed", "engine"),)
+        )
     await context.abort(getattr(grpc.StatusCode, error_code or "INTERNAL", grpc.StatusCode.INTERNAL), message)

@@ -14,9 +14,18 @@ import zipfile
 
 CHUNK_BYTES = 64 * 1024
 BUNDLE_FILES = {
-    "tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json",
-    "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "tiktoken.model",
-    "chat_template.json", "preprocessor_config.json", "processor_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "tiktoken.model",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
     "video_preprocessor_config.json",
 }
 BUNDLE_GLOBS = ("*.tiktoken", "*.jinja", "*.model")
@@ -28,7 +37,9 @@ def _wanted(name: str) -> bool:
 
 def build_bundle(tokenizer_dir: str) -> tuple[bytes, str]:
     """ZIP (deflate, flat names) of the tokenizer files in ``tokenizer_dir`` and its sha256 hex."""
-    names = sorted(n for n in os.listdir(tokenizer_dir) if _wanted(n) and os.path.isfile(os.path.join(tokenizer_dir, n)))
+    names = sorted(
+        n for n in os.listdir(tokenizer_dir) if _wanted(n) and os.path.isfile(os.path.join(tokenizer_dir, n))
+    )
     if not names:
         raise FileNotFoundError(f"no tokenizer files in {tokenizer_dir}")
     buf = io.BytesIO()

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from kernels import triton_attention, triton_ops
-from kernels.triton_gemv import SMALL_BATCH_ROWS, small_batch_linear
 from kernels.activation import silu_and_mul
-from kernels.linear import linear, pack_weight
 from kernels.attention import AttentionMetadata, paged_attention, qkv_rope_store
+from kernels.linear import linear, pack_weight
 from kernels.norm import rms_norm
 from kernels.rotary import rope_cos_sin
+from kernels.triton_gemv import SMALL_BATCH_ROWS, small_batch_linear
 
 from ..model_config import ModelConfig
 
@@ -103,8 +103,16 @@ class Attention(nn.Module):
         as programmatic dependents (kernels/triton_gemv.py)."""
         q = triton_ops.qkv_rope_store(qkv, *self._qkv_args(rope, kv_cache, meta), pdl=pdl)
         o = triton_attention.unified_attention(
-            q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            self.scale, max_query_len=meta.max_query_len, num_splits=meta.num_splits, pdl=pdl,
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            self.scale,
+            max_query_len=meta.max_query_len,
+            num_splits=meta.num_splits,
+            pdl=pdl,
         )
         return o.view(-1, self.q_size)
 
@@ -147,11 +155,19 @@ class DecoderLayer(nn.Module):
     def _forward_few_rows(self, rope, x, residual, kv_cache, meta):
         """A few rows (small decode batches, Triton): six kernels (seven with split-KV decode
         attention), the norms and the SiLU-mul fused into the projections (kernels/triton_gemv.py)."""
-        attn, mlp, ln1, ln2, pdl = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm, self.pdl
+        attn, mlp, ln1, ln2, pdl = (
+            self.self_attn,
+            self.mlp,
+            self.input_layernorm,
+            self.post_attention_layernorm,
+            self.pdl,
+        )
         qkv, residual = small_batch_linear(
             x, attn.qkv_proj.weight, attn.qkv_proj.bias, ln1.weight, residual, ln1.eps, pdl=pdl
         )
-        o = small_batch_linear(attn.attend(rope, qkv, kv_cache, meta, pdl), attn.o_proj.weight, attn.o_proj.bias, pdl=pdl)
+        o = small_batch_linear(
+            attn.attend(rope, qkv, kv_cache, meta, pdl), attn.o_proj.weight, attn.o_proj.bias, pdl=pdl
+        )
         act, residual = small_batch_linear(
             o, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, ln2.weight, residual, ln2.eps, gate_up=True, pdl=pdl
         )
