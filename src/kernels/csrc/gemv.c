@@ -7,7 +7,7 @@
  *     the FMA latency never holds a load back;
  *   - it prefetches the block of rows PREFETCH_BLOCKS ahead. The projections are small
  *     (0.2-2 MB) and a thread's run shorter still, so the hardware prefetcher alone spends
- *     much of each run ramping up (2-core Xeon, SmolLM2 bf16: 17 -> 27 GB/s).
+ *     much of each run ramping up (measurements: docs/performance.md).
  * More rows of x (a decode batch of a few requests, or one with speculative drafts) go
  * GROUP at a time against each block of weight rows: the block comes from memory for the
  * first group and from L1 for the others, so the weights are still read once. From ~8 rows

@@ -17,10 +17,9 @@
  * build does (widening in the inner loops would repeat it for every query head of the
  * group). V is always widened that way: its weights, the probabilities, are fp32.
  * Vectors are GCC/Clang vector extensions (16 floats with AVX-512, else 8); head_dim 64 and
- * 128 get unrolled copies, other multiples of 8 a generic one. 64 requests x 450 tokens x 30
- * layers (SmolLM2's heads, blocks shuffled, 2-core Xeon): 8-float vectors, a horizontal sum
- * per token and a burst of prefetches per head and pass took 82.6 ms in fp32 and 58.4 ms in
- * bf16 (16.1 / 11.4 GB/s), this file 74.6 / 45.3 ms (17.8 / 14.6 GB/s).
+ * 128 get unrolled copies, other multiples of 8 a generic one. The kernel is bound by the
+ * cache misses a core keeps in flight, which is what the scores layout and the prefetch
+ * below are shaped by (measurements: docs/performance.md).
  *
  * Layouts (all contiguous; elements fp32, or bf16 in the bf16 build):
  *   q, out        [n, H, D]
@@ -87,10 +86,8 @@ static inline vf lane_sums(vf acc[VF]) {
  * cache, so the hardware prefetcher loses the stream at every block edge. The requests are
  * spread over the values pass, a line or two per token, not issued in bursts: a core keeps
  * only so many misses in flight (its fill buffers), and a burst stalls it until they drain,
- * so memory and compute stop overlapping. 64 requests x 450 tokens x 30 layers, blocks
- * shuffled, one run: a burst per head and pass 83.2 ms (fp32) / 57.4 ms (bf16), spread
- * 75.0 / 48.3 ms. Hint 2 (to L2) measured best. A Prefetch is one range of the next block,
- * `step` bytes per call. */
+ * so memory and compute stop overlapping. The hint is 2 (to L2), the best measured
+ * (docs/performance.md). A Prefetch is one range of the next block, `step` bytes per call. */
 typedef struct {
     const char *start;
     int next, end, step; /* byte offsets: the next line to request, the range's end; bytes per call */
@@ -327,10 +324,10 @@ static void write_merged(elem_t *out, const float *states, int parts, int64_t pa
 }
 
 /* The work is cut into `chunks` equal shares of all the requests' blocks taken end to end,
- * one share per thread: a request is one core's read bandwidth (~7 GB/s of the ~13 that two
- * cores get from DRAM here), so one request, or a few of unequal lengths, would leave threads
- * idle. A request that straddles a cut is attended in pieces (split-KV, as flash-decoding
- * does on GPUs) whose softmax states are merged at the end: at most chunks - 1 requests. */
+ * one share per thread: one core alone reads only a fraction of what all cores read from
+ * DRAM, so one request, or a few of unequal lengths, would leave threads idle. A request
+ * that straddles a cut is attended in pieces (split-KV, as flash-decoding does on GPUs)
+ * whose softmax states are merged at the end: at most chunks - 1 requests. */
 static inline int64_t blocks_of(int64_t seq, int block_size) {
     return seq > 0 ? (seq + block_size - 1) / block_size : 0;
 }
