@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from kernels import cpu_kernels  # noqa: E402
-from kernels.attention import AttentionMetadata, decode_attention_torch  # noqa: E402
+from kernels.attention import AttentionMetadata, decode_attention  # noqa: E402
 
 
 def median_ms(fn, repeat: int) -> float:
@@ -85,11 +85,11 @@ def main() -> None:
 
         def reference():
             for k, v in caches:
-                decode_attention_torch(q, k.view(-1, *shape[2:]), v.view(-1, *shape[2:]), meta, scale)
+                decode_attention(q, k.view(-1, *shape[2:]), v.view(-1, *shape[2:]), meta, scale)
 
         native_ms, torch_ms = median_ms(native, args.repeat), median_ms(reference, args.repeat)
         k, v = caches[-1]
-        expected = decode_attention_torch(
+        expected = decode_attention(
             q.float(), k.float().view(-1, *shape[2:]), v.float().view(-1, *shape[2:]), meta, scale
         )
         error = (out.float() - expected).abs().max().item()

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_kernels
-from kernels.attention import AttentionMetadata, paged_attention, store_kv
+from kernels import attention, cpu_kernels
+from kernels.attention import AttentionMetadata, store_kv
+from kernels.backend import CpuBackend
 
 BS, H, HKV, D = 4, 6, 2, 16
 
@@ -26,17 +27,18 @@ def dense_reference(q, k, v):
 
 
 @pytest.fixture(params=["native", "torch"])
-def decode_path(request, monkeypatch):
-    """Run each test with the native CPU decode kernel and with the torch reference path."""
+def paged_attention(request):
+    """Each test runs with the CPU backend's paged attention (the native decode kernel) and
+    with the torch reference."""
     if request.param == "torch":
-        monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *a, **k: None)
-    elif cpu_kernels.load_library("paged_decode_attention") is None:
+        return attention.paged_attention
+    if cpu_kernels.load_library("paged_decode_attention") is None:
         pytest.skip("no C compiler: native kernel unavailable")
-    return request.param
+    return CpuBackend.paged_attention
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_mixed_batch_matches_dense_attention(seed, decode_path):
+def test_mixed_batch_matches_dense_attention(seed, paged_attention):
     g = torch.Generator().manual_seed(seed)
     # (already computed tokens, tokens this step, block table): a decode, a decode at a
     # block boundary, a prefill with a cached prefix (bottom-right mask), a fresh prefill.
@@ -89,12 +91,12 @@ def random_paged_cache(dtype, num_blocks, head_dim, seed, block_size=BS, kv_head
 def assert_native_decode_matches_torch_path(q, k_cache, v_cache, seq_lens, tables, shares=0):
     """The native kernel against the torch path in fp32 on the same (rounded) values: the
     kernel accumulates in fp32 too."""
-    from kernels.attention import decode_attention_torch
+    from kernels.attention import decode_attention
 
     _, block_size, kv_heads, head_dim = k_cache.shape
     meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, block_size)
     k_flat, v_flat = k_cache.float().view(-1, kv_heads, head_dim), v_cache.float().view(-1, kv_heads, head_dim)
-    expected = decode_attention_torch(q.float(), k_flat, v_flat, meta, 0.125).to(q.dtype)
+    expected = decode_attention(q.float(), k_flat, v_flat, meta, 0.125).to(q.dtype)
     native = cpu_kernels.paged_decode_attention(
         q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, 0.125, shares
     )

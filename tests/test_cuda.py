@@ -90,7 +90,7 @@ GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
 def test_greedy_matches_hf(models):
     dtype, hf, loaded = models
     eng = make_engine(loaded, dtype)
-    assert eng.runner.triton and eng.runner.graphs is not None
+    assert eng.runner.backend.name == "triton" and eng.runner.graphs is not None
     outs = eng.generate(prompts(), GREEDY)
     for p, c in zip(prompts(), outs):
         ids = torch.tensor([p], device="cuda")
@@ -110,13 +110,12 @@ def test_greedy_matches_hf(models):
 
 def _last_hidden(eng, prompt):
     """Hidden state of the prompt's last position through our model (eager, Triton path)."""
-    from kernels.attention import build_varlen
 
     runner = eng.runner
     table = list(range(1, 2 + len(prompt) // 16))
-    meta = build_varlen([len(prompt)], [len(prompt)], [table], runner.block_size, "cuda")
+    meta = runner.backend.prepare_metadata([len(prompt)], [len(prompt)], [table])
     with torch.inference_mode():
-        h = runner.model(torch.tensor(prompt, device="cuda"), meta.positions, runner.kv_caches, meta)
+        h = runner.model(runner.backend, torch.tensor(prompt, device="cuda"), runner.kv_caches, meta)
     return h[-1:]
 
 
@@ -215,7 +214,7 @@ def test_small_batch_gemv_matches_hf(models):
     graphs included) give HF's greedy tokens (bf16: the first ones) and close logits."""
     dtype, hf, loaded = models
     eng = make_engine(loaded, dtype, small_batch_gemv=True)
-    assert eng.runner.model.model.layers[0].small_batch_gemv
+    assert eng.runner.backend.small_batch_gemv
     ps = prompts()
     outs = eng.generate(ps, GREEDY)
     for p, c in zip(ps, outs):
@@ -245,7 +244,7 @@ def test_pdl_changes_no_bit(models):
         runs = []
         for pdl in (False, True):
             eng = make_engine(loaded, dtype, small_batch_gemv=True, pdl=pdl, cuda_graph=graphs)
-            assert eng.runner.model.model.layers[0].pdl == pdl
+            assert eng.runner.backend.pdl == pdl
             outs = [c.output_ids for c in eng.generate(ps, params)]
             runs.append((outs, eng.runner.model.compute_logits(_last_hidden(eng, ps[5])).float()))
             del eng

@@ -61,15 +61,15 @@ def test_packed_cpu_weights_give_the_same_tokens(loaded):
     batch = prompts(40, seed=3)
     params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     unpacked = make_engine(loaded, cpu_packed_weights=False, max_running_requests=40)
-    assert loaded.model.packed_lm_head is None
+    assert loaded.model.lm_head.packed_weight is None
     expected = [c.output_ids for c in unpacked.generate(batch, params)]
     packed = make_engine(loaded, cpu_packed_weights=True, max_running_requests=40)
-    assert loaded.model.packed_lm_head is not None
+    assert loaded.model.lm_head.packed_weight is not None
     assert loaded.model.model.layers[0].mlp.down_proj.packed_weight is not None
     assert [c.output_ids for c in packed.generate(batch, params)] == expected
     assert packed.stats.max_batch_size == 40
     make_engine(loaded, cpu_packed_weights=False)  # drops them from the shared model
-    assert loaded.model.packed_lm_head is None
+    assert loaded.model.lm_head.packed_weight is None
 
 
 def test_prefix_cache_hit_reports_cached_tokens_and_same_output(loaded):

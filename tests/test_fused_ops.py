@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kernels import cpu_kernels
-from kernels.activation import silu_and_mul_torch
-from kernels.attention import qkv_rope_store_torch
-from kernels.norm import rms_norm_torch
+from kernels.activation import silu_and_mul
+from kernels.attention import qkv_rope_store
+from kernels.norm import rms_norm
 from kernels.rotary import rope_cos_sin
 
 H, HKV, D, BLOCK = 6, 2, 16, 4
@@ -35,9 +35,9 @@ def test_add_rms_norm(layout, rows, dtype):
     x_in = strided(x, layout)
     assert x_in.is_contiguous() == (layout == "row" or rows == 1)
 
-    torch.testing.assert_close(cpu_kernels.add_rms_norm(x_in, w, 1e-5), rms_norm_torch(x, w, 1e-5))
+    torch.testing.assert_close(cpu_kernels.add_rms_norm(x_in, w, 1e-5), rms_norm(x, w, 1e-5))
 
-    ref_out, ref_res = rms_norm_torch(x, w, 1e-5, res)
+    ref_out, ref_res = rms_norm(x, w, 1e-5, res)
     res_in = res.clone()
     out, new_res = cpu_kernels.add_rms_norm(x_in, w, 1e-5, res_in)
     assert new_res is res_in  # updated in place
@@ -50,7 +50,7 @@ def test_add_rms_norm(layout, rows, dtype):
 def test_silu_mul(layout, rows, dtype):
     x = (torch.randn(rows, 2 * 80, generator=torch.Generator().manual_seed(rows)) * 4).to(dtype)
     out = cpu_kernels.silu_mul(strided(x, layout))
-    torch.testing.assert_close(out, silu_and_mul_torch(x))
+    torch.testing.assert_close(out, silu_and_mul(x))
     if layout == "column" and rows > 1:
         assert out.stride() == (1, rows)  # keeps the input's layout for the next projection
 
@@ -78,7 +78,7 @@ def test_qkv_rope_store(layout, qk_norm, dtype):
 
     caches = [torch.zeros(4, BLOCK, HKV, D, dtype=dtype) for _ in range(4)]
     native = cpu_kernels.qkv_rope_store(strided(qkv, layout), H, HKV, cos, sin, *caches[:2], slots, *norms, 1e-6)
-    reference = qkv_rope_store_torch(qkv, H, HKV, cos, sin, *caches[2:], slots, *norms, 1e-6)
+    reference = qkv_rope_store(qkv, H, HKV, cos, sin, *caches[2:], slots, *norms, 1e-6)
     for got, want in zip((*native, *caches[:2]), (*reference, *caches[2:])):
         torch.testing.assert_close(got, want)
     assert caches[0].view(-1, HKV, D)[4].abs().sum() == 0  # slot 4 belongs to the padded token: untouched

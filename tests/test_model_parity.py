@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata
+from kernels.backend import CpuBackend
 from scheduler.model_source import prepare_tokenizer_dir, resolve_model
 from scheduler.models import build_model
 from scheduler.weights import load_checkpoint
@@ -32,6 +32,7 @@ class PagedRunner:
 
     def __init__(self, model, config, num_blocks: int = 64, dtype: torch.dtype = torch.float32):
         self.model, self.config = model, config
+        self.ops = CpuBackend(torch.device("cpu"), BLOCK)  # the CPU serving path
         shape = (num_blocks, BLOCK, config.num_kv_heads, config.head_dim)
         self.kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(config.num_layers)]
         # Hand blocks out in a scrambled order (block 0 unused) so paging is really exercised.
@@ -44,15 +45,14 @@ class PagedRunner:
     @torch.inference_mode()
     def step(self, chunks: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """``chunks``: (new token ids, tokens already cached, block table); logits of each chunk's last token."""
-        ids, pos, qlens, slens = [], [], [], []
+        ids, qlens, slens = [], [], []
         for tokens, start, table in chunks:
             self.alloc(table, start + len(tokens))
             ids += tokens
-            pos += range(start, start + len(tokens))
             qlens.append(len(tokens))
             slens.append(start + len(tokens))
-        meta = AttentionMetadata.build(qlens, slens, [c[2] for c in chunks], BLOCK)
-        hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.kv, meta)
+        meta = self.ops.prepare_metadata(qlens, slens, [c[2] for c in chunks])
+        hidden = self.model(self.ops, torch.tensor(ids), self.kv, meta)
         last = torch.tensor(qlens).cumsum(0) - 1
         return self.model.compute_logits(hidden[last]).float()
 

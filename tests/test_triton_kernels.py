@@ -195,7 +195,7 @@ def test_rms_norm(dtype, hidden, with_residual):
     x = torch.randn(5, hidden, generator=gen).to(dtype)
     w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
     res = torch.randn(5, hidden, generator=gen).to(dtype) if with_residual else None
-    ref = ref_norm.rms_norm_torch(x, w, 1e-6, res)
+    ref = ref_norm.rms_norm(x, w, 1e-6, res)
     got = triton_ops.rms_norm(x, w, 1e-6, res)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     if with_residual:
@@ -245,7 +245,7 @@ def test_small_batch_linear(rows, norm, residual, bias, gate_up, dtype):
     """Against the torch path of the ops it fuses: (x + residual) -> RMSNorm -> linear -> SiLU-mul.
     K = 300 and N = 40 are not multiples of the 256 / 16 tiles (two K steps, masked edges).
     fp16 checks the rounding order (a rounding step apart at most: accumulation order differs)."""
-    from kernels.activation import silu_and_mul_torch
+    from kernels.activation import silu_and_mul
     from kernels.triton_gemv import small_batch_linear
 
     g = torch.Generator().manual_seed(rows)
@@ -262,13 +262,13 @@ def test_small_batch_linear(rows, norm, residual, bias, gate_up, dtype):
 
     got = small_batch_linear(x, w, b, nw, r, eps=1e-6, gate_up=gate_up)
     h, new_res = (
-        (ref_norm.rms_norm_torch(x, nw, 1e-6, r) if r is not None else (ref_norm.rms_norm_torch(x, nw, 1e-6), x))
+        (ref_norm.rms_norm(x, nw, 1e-6, r) if r is not None else (ref_norm.rms_norm(x, nw, 1e-6), x))
         if norm
         else (x, None)
     )
     want = torch.nn.functional.linear(h, w, b)
     if gate_up:
-        want = silu_and_mul_torch(want)
+        want = silu_and_mul(want)
     if norm:
         got, got_res = got
         torch.testing.assert_close(got_res, new_res, atol=1e-6, rtol=1e-6)

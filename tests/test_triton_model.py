@@ -25,7 +25,8 @@ transformers = pytest.importorskip("transformers")
 from kernels import activation, triton_ops  # noqa: E402
 from kernels import attention as ref_attn  # noqa: E402
 from kernels import rotary as ref_rotary  # noqa: E402
-from kernels.attention import build_varlen  # noqa: E402
+from kernels.backend import TritonBackend  # noqa: E402
+from kernels.triton_attention import build_varlen  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.cuda_graphs import DecodeGraphs, capture_sizes, decode_inputs, padded_size  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
@@ -51,7 +52,7 @@ def test_qkv_rope_store_matches_reference(qk_norm, dtype, D):
     caches = [torch.full((nb, bs, KVH, D), 7.0, dtype=dtype) for _ in range(4)]
 
     q = triton_ops.qkv_rope_store(qkv, H, KVH, cos, sin, caches[0], caches[1], slots, qw, kw, 1e-6)
-    rq, _, _ = ref_attn.qkv_rope_store_torch(qkv, H, KVH, cos, sin, caches[2], caches[3], slots, qw, kw, 1e-6)
+    rq, _, _ = ref_attn.qkv_rope_store(qkv, H, KVH, cos, sin, caches[2], caches[3], slots, qw, kw, 1e-6)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(q, rq, **tol)
     torch.testing.assert_close(caches[0], caches[2], **tol)
@@ -60,7 +61,7 @@ def test_qkv_rope_store_matches_reference(qk_norm, dtype, D):
 
 def test_silu_and_mul_matches_reference():
     x = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(0))  # > one 1024-column tile
-    torch.testing.assert_close(triton_ops.silu_and_mul(x), activation.silu_and_mul_torch(x), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(triton_ops.silu_and_mul(x), activation.silu_and_mul(x), atol=1e-6, rtol=1e-6)
 
 
 # -- the whole model through the engine ----------------------------------------------------
@@ -119,15 +120,15 @@ def test_triton_backend_generates_like_torch_backend(family, head_dim):
     runs = {}
     # triton+gemv: steps of <= 16 tokens (the decodes, a 1-token prompt) take the fused
     # small-batch projections (kernels/triton_gemv.py), longer ones the plain Triton path.
-    for backend in ("torch", "triton", "triton+gemv"):
+    for backend in ("torch", "cpu", "triton", "triton+gemv"):
         eng = engine(loaded, backend.split("+")[0], small_batch_gemv=backend.endswith("gemv"))
-        assert eng.runner.model.triton == (backend != "torch")
-        assert eng.runner.model.model.layers[0].small_batch_gemv == backend.endswith("gemv")
+        assert eng.runner.backend.name == backend.split("+")[0]
+        assert getattr(eng.runner.backend, "small_batch_gemv", False) == backend.endswith("gemv")
         first = eng.generate(prompts[:3], sp)  # 70-token prompt: chunked (48-token budget)
         second = eng.generate(prompts[3:], sp)  # shares 32 cached tokens with prompt 0
         assert second[0].num_cached_tokens == 32
         runs[backend] = [c.output_ids for c in first + second]
-    assert runs["triton"] == runs["torch"] == runs["triton+gemv"]
+    assert runs["triton"] == runs["torch"] == runs["cpu"] == runs["triton+gemv"]
 
 
 def test_pdl_is_refused_without_a_hopper_gpu(caplog):
@@ -144,8 +145,7 @@ def test_pdl_is_refused_without_a_hopper_gpu(caplog):
     )
     with caplog.at_level(logging.WARNING):
         runner = ModelRunner(config, tiny_model("qwen3"))
-    layers = runner.model.model.layers
-    assert layers[0].small_batch_gemv and not any(layer.pdl for layer in layers)
+    assert runner.backend.small_batch_gemv and not runner.backend.pdl
     assert "pdl needs" in caplog.text
 
 
@@ -167,7 +167,8 @@ def test_capture_sizes_and_padding():
 def test_padded_decode_through_static_buffers_matches_eager():
     loaded = tiny_model("qwen3")
     model, mc = loaded.model, loaded.config
-    model.use_triton_kernels(True)
+    # num_sms=64 makes the graphs' decode attention split the keys (flash-decoding) 16 ways
+    ops = TritonBackend(torch.device("cpu"), 16, num_kv_heads=mc.num_kv_heads, num_sms=64)
     shape = (32, 16, mc.num_kv_heads, mc.head_dim)
     g = torch.Generator().manual_seed(2)
     kv_a = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(mc.num_layers)]
@@ -175,11 +176,8 @@ def test_padded_decode_through_static_buffers_matches_eager():
     ids, seq_lens, tables = [3, 50, 7], [5, 20, 33], [[2], [9, 4], [11, 12, 13]]
     with torch.inference_mode():
         meta = build_varlen([1, 1, 1], seq_lens, tables, 16, "cpu")
-        eager = model(torch.tensor(ids), meta.positions, kv_a, meta)
-        # num_sms=64 makes the graphs' decode attention split the keys (flash-decoding) 16 ways
-        graphs = DecodeGraphs(
-            model, kv_b, max_batch=8, max_blocks=16, block_size=16, device=torch.device("cpu"), num_sms=64
-        )
+        eager = model(ops, torch.tensor(ids), kv_a, meta)
+        graphs = DecodeGraphs(model, ops, kv_b, max_batch=8, max_blocks=16, device=torch.device("cpu"))
         bs = graphs.load_inputs(ids, seq_lens, tables)
         assert bs == 4
         padded = graphs._forward(bs)

@@ -105,7 +105,7 @@ def test_engine_steps_launch_only_warmed_up_kernel_variants(monkeypatch, small_b
         small_batch_gemv=small_batch_gemv,
     )
     runner = ModelRunner(config, tiny_model("qwen3"))
-    runner.num_sms = H100_SMS
+    runner.num_sms = runner.backend.num_sms = H100_SMS
     # the GPU's samplers: fused Gumbel-max for temperature-only rows, the rejection kernel
     # for top-k/p, min-p and seeds
     runner.sampler.fused_sampling = True

@@ -1,4 +1,4 @@
-"""Paged attention over a block-structured KV cache: the torch reference path.
+"""Paged attention over a block-structured KV cache: the torch reference.
 
 KV layout per layer: K and V each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 A token at position ``p`` of a request lives in slot
@@ -12,22 +12,20 @@ and whose KV (after this step) has ``seq_len`` tokens sees keys
 hits correct.
 
 Everything that depends only on the batch (gather indices, masks) is built once
-per step in :class:`AttentionMetadata` and reused by every layer.
+per step in :class:`AttentionMetadata` and reused by every layer. The fast paths (native
+CPU, Triton) are in ``kernels/backend.py``; these functions are what they are tested against.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
-from .norm import rms_norm_torch
+from .norm import rms_norm
 from .rotary import apply_rotary
-from .util import cdiv
 
 
 @dataclass
@@ -42,20 +40,17 @@ class PrefillSegment:
 
 @dataclass
 class AttentionMetadata:
+    """The torch paths' view of a step: decodes first (gathered per request), then each
+    prefill chunk with its key slots and mask."""
+
     slot_mapping: torch.Tensor  # [T] flat slot per query token (-1 = padding, not stored)
-    positions: torch.Tensor | None = None  # [T] position of every query token (for rope)
+    positions: torch.Tensor  # [T] position of every query token (for rope)
     block_size: int = 16
     num_decodes: int = 0  # decode requests come first, one token each
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64
     decode_max_seq_len: int = 0  # max(decode_seq_lens), known on the host when built
     prefills: list[PrefillSegment] = field(default_factory=list)
-    # The varlen form the Triton kernel reads (build_varlen): any order of requests.
-    block_tables: torch.Tensor | None = None  # [B, max_blocks] int64
-    query_start_loc: torch.Tensor | None = None  # [B + 1] int64
-    seq_lens: torch.Tensor | None = None  # [B] int64, KV length after this step
-    max_query_len: int = 0
-    num_splits: int = 1  # split-KV factor of the Triton kernel (small decode batches)
     _decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def decode_gather(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,42 +121,6 @@ def varlen_arrays(
     return slots, pos, qsl, seq, table
 
 
-def build_varlen(
-    query_lens: list[int],
-    seq_lens: list[int],
-    block_tables: list[list[int]],
-    block_size: int,
-    device: torch.device | str,
-    num_splits: int = 1,
-    upload: Callable[[np.ndarray], torch.Tensor] | None = None,
-) -> AttentionMetadata:
-    """Metadata for the unified (Triton) kernel: everything packed into one host array and
-    moved to the device in a single copy; the fields are views of it. ``upload`` makes that
-    copy (the runner passes one through pinned memory that does not wait for the GPU).
-
-    Every field starts on a 16-byte boundary: Triton specialises a kernel on the alignment
-    of its pointers, so a field whose alignment followed the batch's parity would make the
-    attention kernel compile again in the middle of serving."""
-    fields = varlen_arrays(query_lens, seq_lens, block_tables, block_size)
-    starts = np.zeros(len(fields) + 1, dtype=np.int64)
-    np.cumsum([cdiv(f.size, 2) * 2 for f in fields], out=starts[1:])  # int64 pairs: 16 bytes
-    host = np.zeros(int(starts[-1]), dtype=np.int64)
-    for arr, start in zip(fields, starts):
-        host[start : start + arr.size] = arr.ravel()
-    packed = upload(host) if upload is not None else torch.from_numpy(host).to(device, non_blocking=True)
-    slots, pos, qsl, seq, table = (packed[a : a + f.size] for f, a in zip(fields, starts))
-    return AttentionMetadata(
-        slot_mapping=slots,
-        positions=pos,
-        block_size=block_size,
-        query_start_loc=qsl,
-        seq_lens=seq,
-        block_tables=table.view(fields[4].shape),
-        max_query_len=max(query_lens, default=0),
-        num_splits=num_splits,
-    )
-
-
 def qkv_rope_store(
     qkv: torch.Tensor,
     num_heads: int,
@@ -178,23 +137,15 @@ def qkv_rope_store(
     """From a fused ``[T, (H + 2 Hkv) D]`` q|k|v projection (any strides): ``q [T, H, D]`` and
     ``k, v [T, Hkv, D]``, with the per-head RMSNorm (``q_norm``/``k_norm`` weights, Qwen3) and
     rotary applied to q and k, and k, v stored in their cache slots (slot -1: not stored).
-    Same arguments as ``cpu_kernels.qkv_rope_store`` and ``triton_ops.qkv_rope_store``."""
-    args = (qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps)
-    native = cpu_kernels.qkv_rope_store(*args)
-    return native if native is not None else qkv_rope_store_torch(*args)
-
-
-def qkv_rope_store_torch(
-    qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping, q_norm=None, k_norm=None, eps=1e-6
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference path of :func:`qkv_rope_store` (any device, dtype and layout)."""
+    Any device, dtype and layout; ``cpu_kernels.qkv_rope_store`` and
+    ``triton_ops.qkv_rope_store`` take the same arguments."""
     head_dim = k_cache.shape[-1]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
     q = q.reshape(-1, num_heads, head_dim)
     k = k.reshape(-1, num_kv_heads, head_dim)
     v = v.reshape(-1, num_kv_heads, head_dim)
     if q_norm is not None:  # Qwen3 normalises each head before rope
-        q, k = rms_norm_torch(q, q_norm, eps), rms_norm_torch(k, k_norm, eps)
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k = apply_rotary(q, k, cos, sin)
     store_kv(k, v, k_cache, v_cache, slot_mapping)
     return q, k, v
@@ -213,10 +164,11 @@ def store_kv(
     v_flat.index_copy_(0, slot_mapping, v)
 
 
-def decode_attention_torch(
+def decode_attention(
     q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Reference decode path: gather each request's keys, then SDPA with a length mask."""
+    """The decode rows ``q [num_decodes, heads, D]`` over flat caches ``[slots, kv_heads, D]``:
+    gather each request's keys, then SDPA with a length mask."""
     slots, mask = meta.decode_gather()
     keys = k_flat.index_select(0, slots.flatten()).view(*slots.shape, *k_flat.shape[1:]).transpose(1, 2)
     values = v_flat.index_select(0, slots.flatten()).view(*slots.shape, *v_flat.shape[1:]).transpose(1, 2)
@@ -242,23 +194,31 @@ def paged_attention(
     reading its keys back from the cache. GQA: ``heads`` is a multiple of ``kv_heads``.
     """
     out = torch.empty_like(q)
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    gqa = q.shape[1] != k_flat.shape[1]
     n = meta.num_decodes
     if n:
-        native = cpu_kernels.paged_decode_attention(
-            q[:n],
-            k_cache,
-            v_cache,
-            meta.decode_block_tables,
-            meta.decode_seq_lens,
-            scale,
-            max_seq_len=meta.decode_max_seq_len or None,
-            out=out[:n],
-        )
-        if native is None:
-            out[:n] = decode_attention_torch(q[:n], k_flat, v_flat, meta, scale)
+        out[:n] = decode_attention(q[:n], flat_cache(k_cache), flat_cache(v_cache), meta, scale)
+    prefill_attention(q, k_cache, v_cache, meta, scale, out, k_new, v_new)
+    return out
+
+
+def flat_cache(cache: torch.Tensor) -> torch.Tensor:
+    """``[num_blocks, block_size, kv_heads, D]`` -> ``[slots, kv_heads, D]`` (a view)."""
+    return cache.view(-1, *cache.shape[2:])
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+) -> None:
+    """The prefill chunks of :func:`paged_attention`, written into their rows of ``out``."""
+    k_flat, v_flat = flat_cache(k_cache), flat_cache(v_cache)
+    gqa = q.shape[1] != k_flat.shape[1]
     for seg in meta.prefills:
         query = q[seg.q_start : seg.q_end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
         if seg.mask is None and k_new is not None:  # keys are exactly this chunk's
@@ -276,4 +236,3 @@ def paged_attention(
             enable_gqa=gqa,
         )
         out[seg.q_start : seg.q_end] = o.squeeze(0).transpose(0, 1)
-    return out

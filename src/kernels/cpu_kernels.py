@@ -24,6 +24,8 @@ import tempfile
 
 import torch
 
+from . import envs
+
 logger = logging.getLogger(__name__)
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffast-math"]
@@ -47,9 +49,9 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 @functools.cache
 def load_library(name: str, dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
     """Compile (once) and load ``csrc/<name>.c`` for ``dtype``; None if that cannot be done here."""
-    if os.environ.get("SERVICER_DISABLE_NATIVE_KERNELS") == "1" or dtype not in ELEMENT_FLAGS:
+    if envs.native_kernels_disabled() or dtype not in ELEMENT_FLAGS:
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = envs.c_compiler() or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found: using the torch path for %s", name)
         return None
@@ -77,7 +79,7 @@ def load_library(name: str, dtype: torch.dtype = torch.float32) -> ctypes.CDLL |
 
 def _cache_dir() -> str:
     """Where compiled kernels live: the user cache, or a temp dir where that is read-only."""
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "servicer", "kernels")
+    cache = os.path.join(envs.cache_home(), "servicer", "kernels")
     try:
         os.makedirs(cache, exist_ok=True)
         if os.access(cache, os.W_OK):

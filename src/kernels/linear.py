@@ -1,43 +1,21 @@
-"""Dense projection ``x @ weight.T + bias`` with faster CPU forms.
+"""Dense projection ``x @ weight.T + bias`` with faster CPU forms (the CPU backend's
+projections and every device's LM head; accelerators always use ``F.linear``).
 
-Three shapes are slow with torch 2.13's CPU GEMMs as ``F.linear``, measured rather than
-explained (2-core EPYC, SmolLM2 shapes, in-process A/B):
+Four shapes are slow with torch's CPU GEMMs as ``F.linear``, measured rather than explained
+(the numbers are in docs/performance.md, "CPU kernels"):
 
-* A few rows (decode of a few requests): a pass over the weights that torch reads
-  from DRAM at ~12 GB/s; the native ``few_rows_linear`` (csrc/gemv.c) streams them at
-  22-32 GB/s: the 30 layers' projections at one row take 35 -> 13 ms in fp32 and
-  16 -> 7 ms in bf16, at four rows 47 -> 19 and 18 -> 13 ms. On a 2-core Xeon with AMX
-  (another machine of this kind) a pass over all of SmolLM2's weights at one row takes
-  9.8 ms in bf16 (AVX512-BF16 dot products; torch 23.6) and 20.0 in fp32 (torch 20.9), at
-  four rows 14.5 (torch 22.3) and 22.9 (torch 34.9). Past four rows the kernel takes the
-  rows of x four at a time against each block of weights (read from memory once, then from
-  L1), so in fp32 it stays ahead of torch up to ~24 rows with AVX-512: whole decode steps
-  (2-core Xeon) at 5 rows 55.8 -> 33.0 ms, 8 rows 58.7 -> 37.0, 16 rows 65.2 -> 53.6, 24
-  74.7 -> 69.6, a wash at 32 (``FEW_ROWS_MAX``). In bf16, torch's GEMM (AMX)
-  wins from 6 rows.
-
-* Short batches: ``weight @ x.T`` (made contiguous afterwards) beats ``F.linear`` on a few
-  dozen rows: the layer projections at 16 rows 10-25% faster, a whole decode step at 64
-  requests ~298 -> ~270 ms. At 128 rows it is a wash and at 512 slower.
-* Wide outputs (the 49152-column LM head): one GEMM over the whole weight runs at 90-130
-  GFLOP/s where the layer projections reach 150-190. Computing it in column blocks of
-  ``COLUMN_BLOCK`` weight rows, each block's product written straight into its slice of
-  the output, takes at 64 rows 38 -> 29 ms, at 128 rows 64 -> 48 ms, at 512 rows
-  239 -> 178 ms, and the output is already row-major (no transpose copy). This is fp32's
-  sgemm only: bf16's one GEMM is the fastest form (at 64 rows 11.6 ms, blocked 13.3).
-
+* A few rows (decode of a few requests): torch streams the weights well below the memory's
+  bandwidth; the native ``few_rows_linear`` (csrc/gemv.c) reads each block of weights once for
+  four rows of ``x`` at a time, up to ``few_rows_max`` rows.
+* Short batches: ``weight @ x.T`` beats ``F.linear`` on a few dozen rows (and may stay
+  column-major for a consumer that reads any strides).
+* Wide outputs (a large vocabulary's LM head) in fp32: one GEMM over the whole weight runs
+  slower than the layer projections; column blocks of ``COLUMN_BLOCK`` weight rows, each
+  written straight into its slice of the output, are faster and already row-major.
 * Decode batches: a copy of the weight packed once into the GEMM's own layout
-  (``pack_weight``: MKL's packed sgemm in fp32, oneDNN's blocked layout in bf16) beats
-  the forms above, which start from the plain layout on every call. Whole decode steps
-  (2-core Xeon with AMX, SmolLM2, in-process A/B): fp32 at 64 rows 112 -> 76 ms, at 32
-  rows 82.3 -> 63.3, at 16 rows 55.7 -> 47.8 (where the few-row kernel now stops,
-  ``few_rows_max``); bf16 at 64 rows 45.7 -> 42.2, at 8 rows 23.3 -> 20.3. W64 (engine
-  offline, two runs each): fp32 239.0 -> 280.0 tok/s (1.17x), bf16 534.2 -> 561.5
-  (1.05x). Above ``PACKED_MAX_ROWS`` (prefill chunks) packing gains nothing in fp32 and
-  loses in bf16. The packed copy costs the weights' memory again, so the runner packs
-  only when that is small against the memory available (``ModelRunner._pack_cpu_weights``).
-
-Accelerators always use ``F.linear``.
+  (``pack_weight``: MKL's packed sgemm in fp32, oneDNN's blocked layout in bf16) beats the
+  forms above up to ``PACKED_MAX_ROWS`` rows; it costs the weights' memory again, so
+  ``resolve.py`` decides whether to keep it.
 """
 
 from __future__ import annotations
@@ -55,10 +33,9 @@ WIDE_MIN_COLUMNS = 8 * COLUMN_BLOCK
 
 def _few_rows_max() -> dict[tuple[torch.dtype, bool], int]:
     """(dtype, weight packed) -> up to how many rows ``few_rows_linear`` beats the GEMM it
-    would otherwise meet, in whole decode steps (2-core Xeon, SmolLM2; see the docstring).
-    fp32: to 24 rows with AVX-512 (16-float vectors), 12 without; against a packed weight
-    only to 8 (at 10 rows 43.7 -> 42.5 ms, at 16 rows 55.7 -> 47.8). bf16: to 4 either way
-    (from 6 rows on, torch's bf16 GEMM, AMX where there is one, is faster)."""
+    would otherwise meet in whole decode steps (A/B-measured: docs/performance.md). With
+    16-float vectors (AVX-512) the fp32 kernel keeps its lead over more rows; a packed weight
+    and torch's bf16 GEMM (AMX where there is one) take over sooner."""
     fp32 = 24 if cpu_kernels.has_avx512() else 12
     return {
         (torch.float32, False): fp32,

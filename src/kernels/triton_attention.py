@@ -47,10 +47,62 @@ call.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from .attention import varlen_arrays
 from .util import cdiv, next_pow2
+
+
+@dataclass
+class VarlenMetadata:
+    """What the unified kernel reads of a step: requests in any order, no host sync."""
+
+    slot_mapping: torch.Tensor  # [T] flat slot per query token (-1 = padding, not stored)
+    positions: torch.Tensor  # [T] position of every query token (for rope)
+    block_tables: torch.Tensor  # [B, max_blocks] int64
+    query_start_loc: torch.Tensor  # [B + 1] int64
+    seq_lens: torch.Tensor  # [B] int64, KV length after this step
+    max_query_len: int
+    num_splits: int = 1  # split-KV factor (small decode batches: flash-decoding)
+
+
+def build_varlen(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str,
+    num_splits: int = 1,
+    upload: Callable[[np.ndarray], torch.Tensor] | None = None,
+) -> VarlenMetadata:
+    """Metadata for the unified (Triton) kernel: everything packed into one host array and
+    moved to the device in a single copy; the fields are views of it. ``upload`` makes that
+    copy (the runner passes one through pinned memory that does not wait for the GPU).
+
+    Every field starts on a 16-byte boundary: Triton specialises a kernel on the alignment
+    of its pointers, so a field whose alignment followed the batch's parity would make the
+    attention kernel compile again in the middle of serving."""
+    fields = varlen_arrays(query_lens, seq_lens, block_tables, block_size)
+    starts = np.zeros(len(fields) + 1, dtype=np.int64)
+    np.cumsum([cdiv(f.size, 2) * 2 for f in fields], out=starts[1:])  # int64 pairs: 16 bytes
+    host = np.zeros(int(starts[-1]), dtype=np.int64)
+    for arr, start in zip(fields, starts):
+        host[start : start + arr.size] = arr.ravel()
+    packed = upload(host) if upload is not None else torch.from_numpy(host).to(device, non_blocking=True)
+    slots, pos, qsl, seq, table = (packed[a : a + f.size] for f, a in zip(fields, starts))
+    return VarlenMetadata(
+        slot_mapping=slots,
+        positions=pos,
+        query_start_loc=qsl,
+        seq_lens=seq,
+        block_tables=table.view(fields[4].shape),
+        max_query_len=max(query_lens, default=0),
+        num_splits=num_splits,
+    )
 
 
 def triton_available() -> bool:

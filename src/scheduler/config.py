@@ -1,20 +1,31 @@
-"""Engine configuration shared by the CLI, the scheduler process and the offline engine."""
+"""Engine configuration: what the user asked for (:class:`EngineConfig`) and what "auto" or
+an unset option means on each kind of device (:data:`DEVICE_DEFAULTS`, the one table of
+per-device defaults; the CLI help reads it). ``resolve.py`` turns both into the frozen
+config the engine runs with.
+
+Adding a per-device default: a field of :class:`DeviceDefaults` and its value in each row.
+Light on purpose: the servicer imports it without torch.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import msgspec
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
+    """What the user asked for (the CLI's flags; "auto" and None: the device's default, see
+    ``DEVICE_DEFAULTS``). :func:`resolve` turns it into a :class:`ResolvedConfig`."""
+
     model: str = "smollm2"
     device: str = "auto"  # auto | cpu | cuda[:N] | npu[:N]
-    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on GPUs) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (the device's default) | float32 | bfloat16 | float16
     block_size: int = 16
     kv_cache_tokens: int | None = None  # KV capacity in tokens; None = from kv_cache_memory
-    kv_cache_memory: str | None = None  # e.g. "2GiB"; None = default budget for the device
-    max_running_requests: int | None = None  # None = per-device default (64 on CPU, 256 on accelerators)
+    kv_cache_memory: str | None = None  # e.g. "2GiB"; None = the device's default budget
+    max_running_requests: int | None = None  # None = per-device default
     max_queued_requests: int | None = None  # waiting beyond free running slots; None = no limit
     max_num_batched_tokens: int | None = None  # step token budget; None = per-device default
     # prompts with more tokens left prefill in chunks of at most this many, one at a time, so
@@ -23,7 +34,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_model_len: int | None = None  # None = the model's context length
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None = all cores
-    kernel_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
+    kernel_backend: str = "auto"  # auto (the device's default) | torch | cpu | triton (kernels/backend.py)
     cuda_graph: bool = True  # replay captured graphs for decode-only steps (CUDA + triton only)
     # steps of <= 16 tokens run the Triton projections with the norms and SiLU fused
     # (kernels/triton_gemv.py; triton backend only); off until measured faster than cuBLAS
@@ -32,9 +43,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # each pulls its weights into L2 while the previous kernel finishes; off until measured
     pdl: bool = False
     # CPU: keep a packed copy of the projections for batches of a few dozen rows (faster,
-    # the weights' memory again); None: when that copy fits in a quarter of the free memory
+    # the weights' memory again); None: when that copy is small against the free memory
     cpu_packed_weights: bool | None = None
-    # launch each step before taking the previous step's tokens; None: on accelerators only
+    # launch each step before taking the previous step's tokens; None: the device's default
     overlap_schedule: bool | None = None
     # speculative decoding: "ngram" (prompt lookup, scheduler/ngram.py) or None; each step a
     # decoding request verifies up to speculative_num_draft_tokens drafts
@@ -44,6 +55,69 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_logprobs: int = 20  # most logprobs per token a request may ask for (as vLLM's default)
     grammar_compile_timeout_s: float = 30.0  # a structured-output grammar compiling longer is refused
     served_model_name: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceDefaults:
+    """What "auto" and an unset option mean on one kind of device."""
+
+    dtype: str
+    kernel_backend: str
+    kv_cache_memory: str  # a size ("2GiB"), or a share of the memory free after the weights ("85%")
+    # Step token budget: on a CPU a step's time grows with its tokens, so a smaller budget keeps
+    # running decodes moving while long prompts prefill; accelerators want bigger steps.
+    max_num_batched_tokens: int
+    # Requests decoded together: a CPU step grows with every row, an accelerator's barely does
+    # until far more rows (vLLM's default is 256 too).
+    max_running_requests: int
+    # A CPU computes on the cores that would do the bookkeeping: nothing to overlap.
+    overlap_schedule: bool
+    cuda_graph: bool
+    # Speculation's cost model (ngram.py NgramDrafter.pays): decode rows whose per-row cost
+    # equals the step's fixed cost, per dtype; absent: drafts are not gated.
+    speculative_doubling_rows: dict[str, int]
+
+
+DEVICE_DEFAULTS: dict[str, DeviceDefaults] = {
+    "cpu": DeviceDefaults(
+        dtype="float32",
+        kernel_backend="cpu",
+        kv_cache_memory="2GiB",
+        max_num_batched_tokens=512,
+        max_running_requests=64,
+        overlap_schedule=False,
+        cuda_graph=False,
+        speculative_doubling_rows={"float32": 128, "bfloat16": 32},  # A/B-chosen: docs/performance.md
+    ),
+    "cuda": DeviceDefaults(
+        dtype="bfloat16",
+        kernel_backend="triton",
+        kv_cache_memory="85%",
+        max_num_batched_tokens=8192,
+        max_running_requests=256,
+        overlap_schedule=True,
+        cuda_graph=True,
+        speculative_doubling_rows={},
+    ),
+    "npu": DeviceDefaults(
+        dtype="bfloat16",
+        kernel_backend="torch",
+        kv_cache_memory="85%",
+        max_num_batched_tokens=8192,
+        max_running_requests=256,
+        overlap_schedule=True,
+        cuda_graph=False,
+        speculative_doubling_rows={},
+    ),
+}
+
+
+def describe_default(field: str, shown=str) -> str:
+    """One field of every row of ``DEVICE_DEFAULTS`` for help texts: '512 on cpu, 8192 on cuda and npu'."""
+    by_value: dict[str, list[str]] = {}
+    for device, row in DEVICE_DEFAULTS.items():
+        by_value.setdefault(shown(getattr(row, field)), []).append(device)
+    return ", ".join(f"{value} on {' and '.join(devices)}" for value, devices in by_value.items())
 
 
 def parse_memory_size(text: str) -> int:

@@ -22,8 +22,8 @@ import logging
 import numpy as np
 import torch
 
-from kernels.attention import AttentionMetadata, varlen_arrays
-from kernels.triton_attention import decode_splits
+from kernels.attention import varlen_arrays
+from kernels.triton_attention import VarlenMetadata, decode_splits
 from kernels.util import cdiv
 
 from .transfer import HostToDevice
@@ -58,20 +58,10 @@ def decode_inputs(
 
 
 class DecodeGraphs:
-    def __init__(
-        self,
-        model,
-        kv_caches,
-        max_batch: int,
-        max_blocks: int,
-        block_size: int,
-        device: torch.device,
-        num_sms: int = 1,
-        upload=None,
-    ):
-        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+    def __init__(self, model, backend, kv_caches, max_batch: int, max_blocks: int, device: torch.device, upload=None):
+        """``backend``: the runner's Triton backend (the graphs replay its kernels)."""
+        self.model, self.backend, self.kv_caches, self.block_size = model, backend, kv_caches, backend.block_size
         self.upload = upload or HostToDevice(device)  # host arrays -> device, never waiting for the GPU
-        self.num_kv_heads, self.num_sms = kv_caches[0][0].shape[2], num_sms
         self.sizes = capture_sizes(max_batch)
         top = self.sizes[-1]
         self.vecs = torch.zeros((4, top), dtype=torch.int64, device=device)  # ids, slots, positions, seq lens
@@ -82,17 +72,16 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
 
     def _forward(self, bs: int) -> torch.Tensor:
-        meta = AttentionMetadata(
+        meta = VarlenMetadata(
             slot_mapping=self.vecs[1, :bs],
             positions=self.vecs[2, :bs],
-            block_size=self.block_size,
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.vecs[3, :bs],
             block_tables=self.block_tables[:bs],
             max_query_len=1,
-            num_splits=decode_splits(bs, self.num_kv_heads, self.num_sms),
+            num_splits=decode_splits(bs, self.backend.num_kv_heads, self.backend.num_sms),
         )
-        return self.model(self.vecs[0, :bs], meta.positions, self.kv_caches, meta)
+        return self.model(self.backend, self.vecs[0, :bs], self.kv_caches, meta)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -6,6 +6,8 @@ import importlib.util
 
 import torch
 
+from .config import DEVICE_DEFAULTS
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -45,7 +47,7 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        name = DEVICE_DEFAULTS.get(device.type, DEVICE_DEFAULTS["npu"]).dtype
     try:
         return DTYPES[name]
     except KeyError:

@@ -8,8 +8,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
-
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .grammar_compiles import GrammarCompiles
@@ -22,15 +20,6 @@ from .sampling_batch import BatchSampler
 from .scheduler import AdmissionError, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
-
-# Speculation's cost model on a CPU (NgramDrafter.pays): a decode step of SmolLM2 on 2 cores
-# costs about fixed + rows x per-row, the fixed part R rows' worth. bf16: R ~ 48, and in A/B
-# runs 32 beat 64 and 128 on 32 open questions at once (908.6 / 879.2 / 865.2 tok/s, and
-# 903.9 / 873.6 / 853.8 in reverse order). fp32, with packed weights (kernels/linear.py) a
-# row past 16 costs ~0.5 ms against ~48 ms fixed: 128 beat 32 on W64 (355.3 vs 344.8 tok/s,
-# 599.8 vs 554.1 with its prompts cached and the order reversed), a tie on the questions.
-# Accelerators: unmeasured, drafts are not gated.
-CPU_DOUBLING_ROWS = {torch.float32: 128, torch.bfloat16: 32}
 
 
 @dataclass
@@ -45,58 +34,40 @@ class Completion:
 
 class Engine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
-        self.config = config
+        """``config``: what the user asked for; the runner resolves it (``self.config`` is the
+        resolved config, resolve.py)."""
         self.runner = runner or ModelRunner(config)
+        self.config = rc = self.runner.config
         mc = self.runner.model_config
-        self.pool = BlockPool(self.runner.num_cache_blocks, config.block_size, config.enable_prefix_caching)
+        self.pool = BlockPool(rc.num_kv_blocks, rc.block_size, rc.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
         eos = frozenset(mc.eos_token_ids)
-        budget = self.runner.max_num_batched_tokens
-        threshold = config.long_prefill_token_threshold
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_running_requests=self.runner.max_running_requests,
-                max_queued_requests=config.max_queued_requests,
-                max_num_batched_tokens=budget,
-                max_model_len=self.runner.max_model_len,
-                long_prefill_token_threshold=budget // 2 if threshold is None else threshold,
-                max_draft_tokens=config.speculative_num_draft_tokens if config.speculative_algorithm else 0,
-                max_speculative_rows=self.runner.graphs.sizes[-1] if self.runner.graphs else None,
-                speculative_doubling_rows=self._doubling_rows(),
+                max_running_requests=rc.max_running_requests,
+                max_queued_requests=rc.max_queued_requests,
+                max_num_batched_tokens=rc.max_num_batched_tokens,
+                max_model_len=rc.max_model_len,
+                long_prefill_token_threshold=rc.long_prefill_token_threshold,
+                max_draft_tokens=rc.speculative_num_draft_tokens,
+                max_speculative_rows=rc.max_speculative_rows or None,
+                speculative_doubling_rows=rc.speculative_doubling_rows or None,
             ),
             self.kv,
             eos,
         )
         self.stats = EngineStats()
         self.throughput = ThroughputWindow()
-        # Overlap schedule: on accelerators unless disabled (a CPU computes on the cores
-        # that would do the bookkeeping: nothing to overlap, and outputs would lag a step).
-        # Speculation drafts from the last token, which must be on the host: no overlap.
-        if config.speculative_algorithm not in (None, "ngram"):
-            raise ValueError(f"speculative algorithm {config.speculative_algorithm!r} is not supported (have: ngram)")
-        if config.speculative_algorithm and config.overlap_schedule:
-            raise ValueError(
-                "speculative decoding needs each step's tokens before the next is scheduled: "
-                "it cannot run with the overlap schedule (leave --overlap-schedule at auto or off)"
-            )
-        self.overlap = (
-            config.overlap_schedule
-            if config.overlap_schedule is not None
-            else (self.runner.device.type != "cpu" and not config.speculative_algorithm)
-        )
+        # Overlap schedule (resolve.py): the previous step's tokens are taken after the next
+        # step is launched, so the host's bookkeeping hides behind the device's work.
+        self.overlap = rc.overlap_schedule
         self.inflight: LaunchedStep | None = None  # launched, tokens not yet taken
         self._offline_ids = itertools.count()  # generate()'s request ids
         self.grammars = GrammarCompiles(
-            self.runner.model_path, mc.vocab_size, sorted(eos), config.grammar_compile_timeout_s
+            self.runner.model_path, mc.vocab_size, sorted(eos), rc.grammar_compile_timeout_s
         )  # for requests held meanwhile
         logger.info("overlap schedule: %s", "on" if self.overlap else "off")
         self.load = LoadSnapshot(max_total_num_tokens=self.kv.capacity_tokens)
-
-    def _doubling_rows(self) -> int | None:
-        """The drafter's cost model (CPU_DOUBLING_ROWS); None (not gated) off the CPU."""
-        if self.runner.device.type != "cpu":
-            return None
-        return CPU_DOUBLING_ROWS.get(self.runner.dtype, min(CPU_DOUBLING_ROWS.values()))
 
     # -- requests ----------------------------------------------------------------------
 

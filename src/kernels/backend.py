@@ -1,0 +1,242 @@
+"""Kernel backends: one object per kernel implementation, created once at start-up
+(:func:`create_backend`) and handed to the model's forward, whose layers call it.
+
+A backend turns a step's batch into its own attention metadata (:meth:`prepare_metadata`)
+and provides what a decoder layer computes: the fused q/k/v step (q/k norm, rope, KV store)
+with attention, RMSNorm (with the residual add), SiLU-mul and projections.
+
+* ``torch``: the reference paths of ``attention.py``, ``norm.py``, ``activation.py`` on any
+  device; what the other backends are tested against.
+* ``cpu``: the reference plus the native C kernels (``cpu_kernels``) wherever they read the
+  tensors, and the CPU projection forms of ``linear.py`` (few-row kernel, packed weights).
+* ``triton``: the Triton kernels (GPUs; the CPU under ``TRITON_INTERPRET=1`` for tests), with
+  optional fused small-batch projections and programmatic dependent launch.
+
+Adding a backend: a subclass here and its entry in ``BACKENDS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import activation, attention, cpu_kernels, linear, norm, triton_attention, triton_ops
+from .triton_gemv import SMALL_BATCH_ROWS, small_batch_linear
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, head_dim / 2]
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Projection(nn.Linear):
+    """A layer's dense projection; ``packed_weight`` is a backend's copy of the weight in its
+    GEMM's own layout (``CpuBackend.prepare_model``), None when it keeps none."""
+
+    packed_weight: torch.Tensor | None = None
+
+
+class TorchBackend:
+    """The reference paths, on any device."""
+
+    name = "torch"
+
+    def __init__(self, device: torch.device, block_size: int, **_options: Any):
+        self.device, self.block_size = device, block_size
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Per-backend weight preparation, once after loading: here, no packed copies (a model
+        shared with another runner may carry some)."""
+        for module in model.modules():
+            if isinstance(module, Projection):
+                module.packed_weight = None
+
+    def prepare_metadata(
+        self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]
+    ) -> attention.AttentionMetadata:
+        """A step's metadata; the batch's decodes (query length 1) come first."""
+        return attention.AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
+
+    def attention(self, layer, qkv: torch.Tensor, rope: Rope, kv_cache: KVCache, meta) -> torch.Tensor:
+        """From a layer's fused q|k|v projection to its attention output ``[T, heads * head_dim]``:
+        q/k norm and rope, this step's K/V stored in the cache, paged attention. ``layer`` gives
+        ``num_heads``, ``num_kv_heads``, ``q_size``, ``scale``, ``eps`` and the q/k norm weights."""
+        q, k, v = attention.qkv_rope_store(qkv, *_qkv_args(layer, rope, kv_cache, meta))
+        return attention.paged_attention(q, kv_cache[0], kv_cache[1], meta, layer.scale, k, v).view(-1, layer.q_size)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+        """``rms_norm(x)``, or with ``residual`` ``(rms_norm(x + residual), x + residual)``."""
+        return norm.rms_norm(x, weight, eps, residual)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return activation.silu_and_mul(x)
+
+    def project(self, x: torch.Tensor, proj: Projection, row_major: bool = True) -> torch.Tensor:
+        """``proj(x)``; ``row_major=False`` lets a backend return a column-major result for a
+        consumer that reads any strides (the next call of this backend)."""
+        return F.linear(x, proj.weight, proj.bias)
+
+    def decoder_layer(self, layer, rope: Rope, x, residual, kv_cache: KVCache, meta):
+        """A whole decoder layer in a backend's own fused form, or None for the layer's own
+        sequence of the operations above."""
+        return None
+
+
+class CpuBackend(TorchBackend):
+    """The reference with the native CPU kernels where they apply (each wrapper returns None
+    where it does not, and the reference runs instead)."""
+
+    name = "cpu"
+
+    def __init__(self, device: torch.device, block_size: int, packed_weights: bool = False, **options: Any):
+        super().__init__(device, block_size, **options)
+        self.packed_weights = packed_weights
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """A packed copy of every projection and the LM head for decode batches
+        (``linear.pack_weight``), or none; another runner sharing the model may have packed it."""
+        for module in model.modules():
+            if isinstance(module, Projection):
+                if self.packed_weights and module.packed_weight is None:
+                    module.packed_weight = linear.pack_weight(module.weight)
+                elif not self.packed_weights:
+                    module.packed_weight = None
+
+    def attention(self, layer, qkv: torch.Tensor, rope: Rope, kv_cache: KVCache, meta) -> torch.Tensor:
+        args = (qkv, *_qkv_args(layer, rope, kv_cache, meta))
+        fused = cpu_kernels.qkv_rope_store(*args)
+        q, k, v = fused if fused is not None else attention.qkv_rope_store(*args)
+        return self.paged_attention(q, kv_cache[0], kv_cache[1], meta, layer.scale, k, v).view(-1, layer.q_size)
+
+    @staticmethod
+    def paged_attention(q, k_cache, v_cache, meta, scale: float, k_new=None, v_new=None) -> torch.Tensor:
+        """``attention.paged_attention`` with the decode rows on the native kernel."""
+        out = torch.empty_like(q)
+        n = meta.num_decodes
+        if n:
+            native = cpu_kernels.paged_decode_attention(
+                q[:n],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                scale,
+                max_seq_len=meta.decode_max_seq_len or None,
+                out=out[:n],
+            )
+            if native is None:
+                flat = attention.flat_cache
+                out[:n] = attention.decode_attention(q[:n], flat(k_cache), flat(v_cache), meta, scale)
+        attention.prefill_attention(q, k_cache, v_cache, meta, scale, out, k_new, v_new)
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+        native = cpu_kernels.add_rms_norm(x, weight, eps, residual)  # (updates residual in place)
+        return native if native is not None else norm.rms_norm(x, weight, eps, residual)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        native = cpu_kernels.silu_mul(x)
+        return native if native is not None else activation.silu_and_mul(x)
+
+    def project(self, x: torch.Tensor, proj: Projection, row_major: bool = True) -> torch.Tensor:
+        return linear.linear(x, proj.weight, proj.bias, row_major, proj.packed_weight)
+
+
+class TritonBackend(TorchBackend):
+    """The Triton kernels over the varlen metadata (``triton_attention.build_varlen``).
+
+    ``small_batch_gemv``: steps of at most ``SMALL_BATCH_ROWS`` tokens run each layer as the
+    fused projections of ``triton_gemv`` (norms and SiLU-mul folded in); ``pdl``: those kernels
+    launch as programmatic dependents (CUDA sm_90+)."""
+
+    name = "triton"
+
+    def __init__(
+        self,
+        device: torch.device,
+        block_size: int,
+        num_kv_heads: int = 1,
+        num_sms: int = 1,
+        small_batch_gemv: bool = False,
+        pdl: bool = False,
+        upload: Callable[[np.ndarray], torch.Tensor] | None = None,
+        **options: Any,
+    ):
+        super().__init__(device, block_size, **options)
+        self.num_kv_heads, self.num_sms, self.upload = num_kv_heads, num_sms, upload
+        self.small_batch_gemv, self.pdl = small_batch_gemv, small_batch_gemv and pdl
+
+    def prepare_metadata(
+        self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]
+    ) -> triton_attention.VarlenMetadata:
+        """Decode-only batches split the keys (flash-decoding) when they alone would leave SMs idle."""
+        decode = len(query_lens) == sum(query_lens)
+        splits = triton_attention.decode_splits(len(query_lens), self.num_kv_heads, self.num_sms) if decode else 1
+        return triton_attention.build_varlen(
+            query_lens, seq_lens, block_tables, self.block_size, self.device, splits, upload=self.upload
+        )
+
+    def attention(self, layer, qkv: torch.Tensor, rope: Rope, kv_cache: KVCache, meta, pdl: bool = False):
+        q = triton_ops.qkv_rope_store(qkv, *_qkv_args(layer, rope, kv_cache, meta), pdl=pdl)
+        o = triton_attention.unified_attention(
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            layer.scale,
+            max_query_len=meta.max_query_len,
+            num_splits=meta.num_splits,
+            pdl=pdl,
+        )
+        return o.view(-1, layer.q_size)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+        return triton_ops.rms_norm(x, weight, eps, residual)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return triton_ops.silu_and_mul(x)
+
+    def decoder_layer(self, layer, rope: Rope, x, residual, kv_cache: KVCache, meta):
+        """Six kernels (seven with split-KV decode attention) for a step of a few rows."""
+        if not self.small_batch_gemv or x.shape[0] > SMALL_BATCH_ROWS:
+            return None
+        attn, mlp, ln1, ln2, pdl = (
+            layer.self_attn,
+            layer.mlp,
+            layer.input_layernorm,
+            layer.post_attention_layernorm,
+            self.pdl,
+        )
+        qkv_proj, o_proj, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        qkv, residual = small_batch_linear(x, qkv_proj.weight, qkv_proj.bias, ln1.weight, residual, ln1.eps, pdl=pdl)
+        o = small_batch_linear(
+            self.attention(attn, qkv, rope, kv_cache, meta, pdl), o_proj.weight, o_proj.bias, pdl=pdl
+        )
+        act, residual = small_batch_linear(
+            o, gate_up.weight, gate_up.bias, ln2.weight, residual, ln2.eps, gate_up=True, pdl=pdl
+        )
+        return small_batch_linear(act, down.weight, down.bias, pdl=pdl), residual
+
+
+def _qkv_args(layer, rope: Rope, kv_cache: KVCache, meta) -> tuple:
+    """The arguments after ``qkv`` of every ``qkv_rope_store`` (reference, native, Triton)."""
+    norms = (layer.q_norm.weight, layer.k_norm.weight) if layer.qk_norm else (None, None)
+    return layer.num_heads, layer.num_kv_heads, *rope, kv_cache[0], kv_cache[1], meta.slot_mapping, *norms, layer.eps
+
+
+BACKENDS: dict[str, type[TorchBackend]] = {"torch": TorchBackend, "cpu": CpuBackend, "triton": TritonBackend}
+
+
+def create_backend(name: str, device: torch.device, block_size: int, **options: Any) -> TorchBackend:
+    """The backend ``name`` (a resolved name: see ``scheduler/config.py``) for ``device``;
+    ``options`` are its constructor's (the others ignore them)."""
+    try:
+        cls = BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown kernel backend {name!r}; have {sorted(BACKENDS)}") from None
+    return cls(device, block_size, **options)

@@ -1,0 +1,50 @@
+"""Environment switches of the daemon, all in one place and all ``SERVICER_*``.
+
+Each is read when first asked for, so a test may set it before use. Variables owned by
+other tools (``TRITON_INTERPRET``, ``CC``, ``XDG_CACHE_HOME``) are read here too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+logger = logging.getLogger(__name__)
+
+# name -> what it does (listed by docs/architecture.md and read below)
+SWITCHES = {
+    "SERVICER_DISABLE_NATIVE_KERNELS": "1: never build or call the native CPU kernels (the torch paths run instead)",
+    "SERVICER_PROFILE_DIR": "where StartProfile writes traces when the request names no directory",
+    "SERVICER_PROFILE_MAX_STEPS": "steps after which a profile session stops by itself",
+}
+
+
+def native_kernels_disabled() -> bool:
+    return os.environ.get("SERVICER_DISABLE_NATIVE_KERNELS") == "1"
+
+
+def profile_dir() -> str:
+    return os.environ.get("SERVICER_PROFILE_DIR") or os.path.join(tempfile.gettempdir(), "servicer-profiles")
+
+
+def profile_max_steps(default: int) -> int:
+    value = os.environ.get("SERVICER_PROFILE_MAX_STEPS", "")
+    try:
+        return max(int(value), 1) if value else default
+    except ValueError:
+        logger.warning("SERVICER_PROFILE_MAX_STEPS=%r is not a number; using %d", value, default)
+        return default
+
+
+def triton_interpreter() -> bool:
+    """Triton kernels run on the CPU (tests only) under ``TRITON_INTERPRET=1``."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def c_compiler() -> str | None:
+    return os.environ.get("CC")
+
+
+def cache_home() -> str:
+    return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -1,0 +1,262 @@
+"""From the user's :class:`~.config.EngineConfig` to the :class:`ResolvedConfig` the engine runs
+with: every "auto" and None decided once, for this device, dtype and model, from
+``config.DEVICE_DEFAULTS``, and logged at start-up. The scheduler, the runner and the engine
+each read their part of it; none derives policy from another's internals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+
+from kernels import envs
+from kernels.backend import BACKENDS
+from kernels.linear import can_pack
+from kernels.triton_attention import triton_available
+from kernels.util import cdiv
+
+from .config import DEVICE_DEFAULTS, DeviceDefaults, EngineConfig, parse_memory_size
+from .cuda_graphs import capture_sizes
+from .device import cpu_has_bf16, free_memory_bytes, resolve_device, resolve_dtype
+from .model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# CPU: a packed copy of the weights is kept when it takes at most this share of the memory
+# still available after the KV cache.
+PACKED_WEIGHTS_MAX_SHARE = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedConfig:
+    """Every engine option decided for this device, dtype and model."""
+
+    device: torch.device
+    dtype: torch.dtype
+    kernel_backend: str  # torch | cpu | triton
+    small_batch_gemv: bool
+    pdl: bool
+    cuda_graph: bool
+    cpu_packed_weights: bool
+    num_threads: int  # torch intra-op threads (CPU)
+    block_size: int
+    num_kv_blocks: int  # the null block included
+    max_model_len: int
+    max_running_requests: int
+    max_queued_requests: int | None  # None: no limit
+    max_num_batched_tokens: int
+    long_prefill_token_threshold: int  # 0: off
+    enable_prefix_caching: bool
+    overlap_schedule: bool
+    speculative_algorithm: str  # "none" | "ngram"
+    speculative_num_draft_tokens: int  # 0 without speculation
+    speculative_doubling_rows: int  # 0: drafts not gated
+    max_speculative_rows: int  # 0: no limit (eager steps); else the largest CUDA graph
+    seed: int
+    max_logprobs: int
+    grammar_compile_timeout_s: float
+    served_model_name: str
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return (self.num_kv_blocks - 1) * self.block_size
+
+    def log(self) -> None:
+        fields = dataclasses.asdict(self)
+        fields["device"], fields["dtype"] = str(self.device), str(self.dtype).removeprefix("torch.")
+        logger.info("engine config: %s", ", ".join(f"{k}={v}" for k, v in fields.items()))
+
+
+def resolve(config: EngineConfig, model: ModelConfig, weight_bytes: int) -> ResolvedConfig:
+    """Decide every option (after the weights are loaded: the KV cache takes what memory they
+    leave); raises ValueError for a combination that cannot run here."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    defaults = DEVICE_DEFAULTS.get(device.type, DEVICE_DEFAULTS["npu"])
+    backend = _kernel_backend(config, device, defaults)
+    max_model_len = _context_limit(config.max_model_len, model)
+    num_kv_blocks = _num_kv_blocks(config, device, dtype, model, defaults)
+    running = config.max_running_requests or defaults.max_running_requests
+    budget = config.max_num_batched_tokens or defaults.max_num_batched_tokens
+    threshold = config.long_prefill_token_threshold
+    speculative = _speculative_algorithm(config)
+    cuda_graph = config.cuda_graph and defaults.cuda_graph and backend == "triton"
+    kv_bytes = (num_kv_blocks * config.block_size) * _bytes_per_token(model, dtype)
+    resolved = ResolvedConfig(
+        device=device,
+        dtype=dtype,
+        kernel_backend=backend,
+        small_batch_gemv=_small_batch_gemv(config, backend),
+        pdl=_pdl(config, device, backend),
+        cuda_graph=cuda_graph,
+        cpu_packed_weights=_cpu_packed_weights(config, device, dtype, weight_bytes, kv_bytes),
+        num_threads=config.num_threads or _cpu_count(),
+        block_size=config.block_size,
+        num_kv_blocks=num_kv_blocks,
+        max_model_len=max_model_len,
+        max_running_requests=running,
+        max_queued_requests=config.max_queued_requests,
+        max_num_batched_tokens=budget,
+        long_prefill_token_threshold=budget // 2 if threshold is None else threshold,
+        enable_prefix_caching=config.enable_prefix_caching,
+        overlap_schedule=_overlap_schedule(config, defaults, speculative),
+        speculative_algorithm=speculative,
+        speculative_num_draft_tokens=config.speculative_num_draft_tokens if speculative != "none" else 0,
+        speculative_doubling_rows=defaults.speculative_doubling_rows.get(str(dtype).removeprefix("torch."), 0),
+        max_speculative_rows=capture_sizes(running)[-1] if cuda_graph else 0,
+        seed=config.seed,
+        max_logprobs=config.max_logprobs,
+        grammar_compile_timeout_s=config.grammar_compile_timeout_s,
+        served_model_name=config.served_model_name or config.model,
+    )
+    if resolved.kv_capacity_tokens < max_model_len:
+        flag = "--kv-cache-tokens" if config.kv_cache_tokens is not None else "--kv-cache-memory"
+        logger.warning(
+            "the KV cache holds %d tokens, less than the %d-token context: longer requests "
+            "will be refused (raise %s or lower --max-model-len)",
+            resolved.kv_capacity_tokens,
+            max_model_len,
+            flag,
+        )
+    return resolved
+
+
+def _cpu_count() -> int:
+    return os.cpu_count() or 1
+
+
+def _kernel_backend(config: EngineConfig, device: torch.device, defaults: DeviceDefaults) -> str:
+    name = config.kernel_backend
+    if name != "auto" and name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; choose auto or one of {sorted(BACKENDS)}")
+    if name == "auto":
+        name = defaults.kernel_backend
+        if name == "triton" and not triton_available():
+            logger.warning("triton is not installed: using the torch kernels on %s", device)
+            return "torch"
+        return name
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"--kernel-backend cpu runs on the CPU only, not on {device}")
+    if name == "triton":
+        if device.type == "cpu" and not envs.triton_interpreter():
+            raise ValueError("--kernel-backend triton on the CPU runs only under TRITON_INTERPRET=1 (for tests)")
+        if not triton_available():
+            raise ValueError("--kernel-backend triton needs the triton package")
+    return name
+
+
+def _small_batch_gemv(config: EngineConfig, backend: str) -> bool:
+    if config.small_batch_gemv and backend != "triton":
+        logger.warning("small_batch_gemv needs the Triton kernels (CUDA, or kernel_backend=triton): ignored")
+        return False
+    return config.small_batch_gemv
+
+
+def _pdl(config: EngineConfig, device: torch.device, backend: str) -> bool:
+    """Programmatic dependent launch needs the small-batch kernels on a CUDA sm_90+ GPU."""
+    if not config.pdl:
+        return False
+    usable = (
+        backend == "triton"
+        and config.small_batch_gemv
+        and device.type == "cuda"
+        and torch.version.hip is None
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
+    if not usable:
+        logger.warning("pdl needs --small-batch-gemv on an NVIDIA GPU of compute capability 9.0 or newer: ignored")
+    return usable
+
+
+def _speculative_algorithm(config: EngineConfig) -> str:
+    algorithm = config.speculative_algorithm
+    if algorithm not in (None, "ngram"):
+        raise ValueError(f"speculative algorithm {algorithm!r} is not supported (have: ngram)")
+    if algorithm and config.overlap_schedule:
+        raise ValueError(
+            "speculative decoding needs each step's tokens before the next is scheduled: "
+            "it cannot run with the overlap schedule (leave --overlap-schedule at auto or off)"
+        )
+    return algorithm or "none"
+
+
+def _overlap_schedule(config: EngineConfig, defaults: DeviceDefaults, speculative: str) -> bool:
+    """Speculation drafts from the last token, which must be on the host: no overlap."""
+    if config.overlap_schedule is not None:
+        return config.overlap_schedule
+    return defaults.overlap_schedule and speculative == "none"
+
+
+def _context_limit(requested: int | None, model: ModelConfig) -> int:
+    """The model's context limit, or less if asked; a sliding-window model's is its window
+    (attention here is full, exact only that far)."""
+    limit = model.max_position_embeddings
+    if requested and requested > limit:
+        raise ValueError(f"--max-model-len {requested} exceeds the model's context ({limit} tokens)")
+    if model.sliding_window and model.sliding_window < limit:
+        if requested and requested > model.sliding_window:
+            raise ValueError(
+                f"--max-model-len {requested} exceeds the model's sliding window "
+                f"({model.sliding_window}): attention here is full, exact only that far"
+            )
+        logger.warning("context limited to the model's sliding window: %d tokens", model.sliding_window)
+        limit = model.sliding_window
+    return requested or limit  # (a larger one was refused above)
+
+
+def _bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype.itemsize
+
+
+def _num_kv_blocks(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, model: ModelConfig, defaults: DeviceDefaults
+) -> int:
+    """KV cache blocks, the null block included."""
+    block_size = config.block_size
+    per_block = _bytes_per_token(model, dtype) * block_size
+    if config.kv_cache_tokens is not None:
+        return cdiv(config.kv_cache_tokens, block_size) + 1  # + the null block
+    if config.kv_cache_memory is not None:
+        budget = parse_memory_size(config.kv_cache_memory)
+        free = free_memory_bytes(device)
+        if free is not None and budget > free:
+            raise ValueError(
+                f"--kv-cache-memory {config.kv_cache_memory} is more than the "
+                f"{free / 2**30:.1f} GiB {device.type} memory still available"
+            )
+    elif defaults.kv_cache_memory.endswith("%"):
+        budget = int(free_memory_bytes(device) * float(defaults.kv_cache_memory[:-1]) / 100)
+    else:
+        budget = parse_memory_size(defaults.kv_cache_memory)
+    num_blocks = budget // per_block
+    if num_blocks < 2:  # the null block and one for requests: a floor would overrun the budget
+        raise ValueError(
+            f"a KV cache of {budget / 2**20:.1f} MiB holds fewer than 2 blocks of {block_size} "
+            f"tokens ({per_block / 2**20:.1f} MiB each, one of them the null block): "
+            "give more memory (--kv-cache-memory) or a smaller --block-size"
+        )
+    return num_blocks
+
+
+def _cpu_packed_weights(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, weight_bytes: int, kv_bytes: int
+) -> bool:
+    """A packed copy of the projections speeds up CPU batches of a few dozen rows
+    (kernels/linear.py) at the cost of the weights' memory again."""
+    if device.type != "cpu" or not can_pack(dtype) or (dtype == torch.bfloat16 and not cpu_has_bf16()):
+        return False  # (oneDNN would emulate bf16)
+    if config.cpu_packed_weights is not None:
+        return config.cpu_packed_weights
+    free = free_memory_bytes(device)
+    available = None if free is None else free - kv_bytes
+    if available is not None and weight_bytes <= PACKED_WEIGHTS_MAX_SHARE * available:
+        return True
+    logger.info(
+        "projections not packed: a copy of the %.2f GiB of weights would take more than %d%% of the memory available",
+        weight_bytes / 2**30,
+        100 * PACKED_WEIGHTS_MAX_SHARE,
+    )
+    return False
