@@ -11,6 +11,7 @@ from kernels.sampling import Penalties, SamplingTensors, sample, token_logprobs
 from scheduler.messages import SamplingParams
 from scheduler.request import Request
 from scheduler.sampling_batch import BatchSampler
+from scheduler.scheduler import ScheduledRequest
 
 V = 512
 EOS = 2
@@ -358,7 +359,8 @@ def test_batch_sampler_records_output_and_input_logprobs():
     )
     other = make_req([9, 9, 9], rid="o", temperature=0.8, top_p=0.9, repetition_penalty=1.2)
     hidden = logits_of(7, seed=9)  # rows 0..3: req's prompt, 4..6: other's prompt
-    tokens, logprobs = s.run([req, other], [4, 3], hidden, [3, 6], [req, other])
+    step = [ScheduledRequest(req, 4, samples=True), ScheduledRequest(other, 3, samples=True)]
+    tokens, logprobs = s.run(step, hidden, [3, 6], [req, other])
     tokens = tokens.tolist()
     assert len(tokens) == 2 and tokens[0] == int(hidden[3].argmax())
     # the rows go to the scheduler, which records them with the tokens
@@ -385,11 +387,12 @@ def test_input_logprobs_across_chunks_and_start_len():
     req = make_req(prompt, rid="c", temperature=0.0, return_logprob=True, logprob_start_len=4)
     hidden = logits_of(10, seed=3)
     assert req.prefix_cache_limit == 3
-    _, logprobs = s.run([req], [6], hidden[:6], [], [])  # chunk 1: positions 0..5
+    _, logprobs = s.run([ScheduledRequest(req, 6)], hidden[:6], [], [])  # chunk 1: positions 0..5
     sched_like_record(logprobs, [])
     req.input_logprob_next, req.num_computed_tokens = 6, 6  # (Scheduler.advance)
     assert req.prefix_cache_limit == 6
-    _, logprobs = s.run([req], [4], hidden[6:], [3], [req])  # chunk 2: positions 6..9, samples
+    # chunk 2: positions 6..9, samples
+    _, logprobs = s.run([ScheduledRequest(req, 4, samples=True)], hidden[6:], [3], [req])
     sched_like_record(logprobs, [req])
     req.input_logprob_next = 9
     lp = hidden.log_softmax(-1)

@@ -33,9 +33,9 @@ def run(sched, max_steps=10_000):
     while sched.has_work() and len(steps) < max_steps:
         batch = sched.schedule()
         sampled = [
-            next_token(r)
-            for r, n in zip(batch.requests, batch.num_new_tokens)
-            if r.num_computed_tokens + n == r.num_tokens
+            next_token(e.request)
+            for e in batch
+            if e.request.num_computed_tokens + e.num_new_tokens == e.request.num_tokens
         ]
         steps.append((len(batch), batch.num_tokens))
         step(sched, batch, sampled)
@@ -61,21 +61,21 @@ def test_decodes_come_first_in_a_mixed_step():
     step(sched, sched.schedule(), [5])  # a: prefill done, now decoding
     add(sched, "b", list(range(30, 40)))
     batch = sched.schedule()
-    assert [r.request_id for r in batch.requests] == ["a", "b"] and batch.num_new_tokens == [1, 10]
+    assert [(e.request.request_id, e.num_new_tokens) for e in batch] == [("a", 1), ("b", 10)]
 
 
 def test_long_prompt_is_chunked_under_the_budget():
     sched, pool = make_scheduler(budget=16)
     req = add(sched, "long", list(range(100, 150)), max_new=3)
     batch = sched.schedule()
-    assert batch.num_new_tokens == [16]
+    assert [e.num_new_tokens for e in batch] == [16]
     run(sched)
     assert req.num_output_tokens == 3
     assert pool.num_free_blocks == pool.num_blocks
 
 
 def chunks(batch):
-    return {r.request_id: n for r, n in zip(batch.requests, batch.num_new_tokens)}
+    return {e.request.request_id: e.num_new_tokens for e in batch}
 
 
 def finish_step(sched, batch):
@@ -83,9 +83,9 @@ def finish_step(sched, batch):
         sched,
         batch,
         [
-            next_token(r)
-            for r, n in zip(batch.requests, batch.num_new_tokens)
-            if r.num_computed_tokens + n == r.num_tokens
+            next_token(e.request)
+            for e in batch
+            if e.request.num_computed_tokens + e.num_new_tokens == e.request.num_tokens
         ],
     )
 
@@ -320,7 +320,7 @@ def test_requests_sharing_a_prompt_compute_it_once():
     assert [r.request_id for r in first.requests] == ["r-n0", "other"]  # the rest is passed over
     step(sched, first, [next_token(r) for r in first.requests])
     second = sched.schedule()
-    assert {r.request_id: n for r, n in zip(second.requests, second.num_new_tokens)} == {
+    assert chunks(second) == {
         "r-n0": 1,
         "other": 1,
         "r-n1": 4,
@@ -345,9 +345,9 @@ def test_a_chunked_shared_prompt_is_waited_for_chunk_by_chunk():
             sched,
             batch,
             [
-                next_token(r)
-                for r, n in zip(batch.requests, batch.num_new_tokens)
-                if r.num_computed_tokens + n == r.num_tokens
+                next_token(e.request)
+                for e in batch
+                if e.request.num_computed_tokens + e.num_new_tokens == e.request.num_tokens
             ],
         )
     assert admitted[:2] == [["a"], ["a"]] and b.num_cached_tokens == 20  # not 16 and 2 blocks again

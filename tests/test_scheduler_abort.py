@@ -12,9 +12,9 @@ def step_all(sched):
         sched,
         batch,
         [
-            next_token(r)
-            for r, n in zip(batch.requests, batch.num_new_tokens)
-            if r.num_computed_tokens + n == r.num_tokens
+            next_token(e.request)
+            for e in batch
+            if e.request.num_computed_tokens + e.num_new_tokens == e.request.num_tokens
         ],
     )
     return batch

@@ -149,9 +149,10 @@ def check_step(case: Case, sched: Scheduler, pool: BlockPool, batch: ScheduledBa
     assert len(sched.running) <= case.max_running, f"{where}: {len(sched.running)} running > {case.max_running}"
     assert batch.num_tokens <= case.budget, f"{where}: {batch.num_tokens} tokens > budget {case.budget}"
     assert len(set(ids)) == len(ids), f"{where}: a request twice in one step: {ids}"
-    ones = [n == 1 or bool(r.draft_ids) for r, n in zip(batch.requests, batch.num_new_tokens)]  # a decode row each
-    assert ones == sorted(ones, reverse=True), f"{where}: single-token chunks not first: {batch.num_new_tokens}"
-    for req, n, samples in zip(batch.requests, batch.num_new_tokens, batch.samples):
+    ones = [e.num_new_tokens == 1 or bool(e.request.draft_ids) for e in batch]  # a decode row each
+    assert ones == sorted(ones, reverse=True), f"{where}: single-token chunks not first: {batch.entries}"
+    for e in batch:
+        req, n, samples = e.request, e.num_new_tokens, e.samples
         left = req.num_tokens_with_pending - req.num_computed_tokens
         drafts = len(req.draft_ids)
         assert req in sched.running, f"{where}: {req.request_id} scheduled but not running"
@@ -213,8 +214,8 @@ def simulate(case: Case, threshold: int, drafts: int) -> tuple[dict[str, tuple[s
         batch = sched.schedule()
         check_step(case, sched, pool, batch, where)
         seen["chunks cut at the threshold"] += sum(
-            n == threshold < r.num_tokens_with_pending - r.num_computed_tokens
-            for r, n in zip(batch.requests, batch.num_new_tokens)
+            e.num_new_tokens == threshold < e.request.num_tokens_with_pending - e.request.num_computed_tokens
+            for e in batch
         )
         speculating = any(r.draft_ids for r in batch.requests)
         if len(batch):

@@ -126,7 +126,7 @@ class Engine:
             self.refresh_load()
             return StepOutput(outputs=self.finished_outputs(), load=self.load)
         prev, self.inflight = self.inflight, None
-        overlap = self.overlap and not any(BatchSampler.needs_host_tokens(r) for r in batch.requests)
+        overlap = self.overlap and not any(BatchSampler.needs_host_tokens(e.request) for e in batch)
         outputs: list[RequestOutput] = []
         if prev is not None and not overlap:
             outputs += self._complete(prev)
@@ -154,7 +154,7 @@ class Engine:
         appended = self.scheduler.complete(launched.batch, tokens, launched.logprobs)
         self.stats.num_generated_tokens += appended  # not the tokens of requests already done
         self.throughput.add(launched.launched_at, time.monotonic(), appended)
-        outputs = [req.take_output() for req in launched.batch.requests if not req.is_finished]
+        outputs = [e.request.take_output() for e in launched.batch if not e.request.is_finished]
         return [o for o in outputs if o is not None]
 
     def finished_outputs(self) -> list[RequestOutput]:

@@ -222,7 +222,8 @@ class ModelRunner:
         input_ids, query_lens, seq_lens, tables, sample_rows = [], [], [], [], []
         patch_pos, patch_rows = [], []
         offset = 0
-        for req, n, samples in zip(batch.requests, batch.num_new_tokens, batch.samples):
+        for e in batch:
+            req, n = e.request, e.num_new_tokens
             start = req.num_computed_tokens
             if req.draft_ids:  # speculating: its last token and the drafts, one decode row each
                 input_ids.extend(req.token_ids[start:] + req.draft_ids)
@@ -243,7 +244,7 @@ class ModelRunner:
             seq_lens.append(start + n)
             tables.append(req.block_ids)
             offset += n
-            if samples:  # all its tokens computed after this step: its last row samples
+            if e.samples:  # all its tokens computed after this step: its last row samples
                 sample_rows.append(offset - 1)
         patch = self._patch(patch_pos, patch_rows, prev) if patch_pos else None
         if self.graphs is not None and offset == len(query_lens) and self.graphs.can_run(offset):
@@ -256,7 +257,7 @@ class ModelRunner:
             hidden = self.model(self.backend, ids, self.kv_caches, meta)
         # LM head on the sampling rows (and prompt-logprob rows), sampling, logprobs.
         sampling = batch.sampling_rows
-        tokens, logprobs = self.sampler.run(batch.requests, batch.num_new_tokens, hidden, sample_rows, sampling)
+        tokens, logprobs = self.sampler.run(batch, hidden, sample_rows, sampling)
         return LaunchedStep(batch, self.download(tokens) if sampling else None, logprobs, launched_at)
 
     def _patch(self, positions: list[int], rows: list[int], prev: LaunchedStep):

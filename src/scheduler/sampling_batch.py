@@ -19,8 +19,9 @@ The model runner calls :meth:`BatchSampler.run` after the forward pass. It
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -30,6 +31,9 @@ from kernels.triton_attention import triton_available
 
 from .request import Request
 from .transfer import HostToDevice
+
+if TYPE_CHECKING:
+    from .scheduler import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 INPUT_LOGPROB_SLICE = 512  # prompt rows per LM-head slice (bounds the [rows, vocab] logits)
@@ -131,18 +135,18 @@ class BatchSampler:
     # -- entry point -------------------------------------------------------------------
     def run(
         self,
-        requests: list[Request],
-        num_new_tokens: list[int],
+        scheduled: Iterable[ScheduledRequest],
         hidden: torch.Tensor,
         sample_rows: list[int],
         sampling: list[Request],
     ) -> tuple[torch.Tensor | None, StepLogprobs | None]:
-        """One token for each request in ``sampling`` (hidden row ``sample_rows[i]``), as a
+        """One token for each request in ``sampling`` (hidden row ``sample_rows[i]``; the
+        hidden rows are those of the ``scheduled`` step's tokens, in order), as a
         device tensor (None when no row samples), and the step's logprobs (None when no
         request asked), which the scheduler records with the tokens. Only logprobs read
         results back here; of a request, only the sampler's own state (seeded generator,
         token buffer) changes."""
-        logprobs = StepLogprobs(prompt=self._input_logprobs(requests, num_new_tokens, hidden))
+        logprobs = StepLogprobs(prompt=self._input_logprobs(scheduled, hidden))
         if not sample_rows:
             return None, logprobs if logprobs.prompt else None
         if len(sample_rows) == hidden.shape[0]:  # every row samples (decode-only steps): no gather
@@ -289,7 +293,7 @@ class BatchSampler:
             )
 
     def _input_logprobs(
-        self, requests: list[Request], num_new_tokens: list[int], hidden: torch.Tensor
+        self, scheduled: Iterable[ScheduledRequest], hidden: torch.Tensor
     ) -> list[tuple[Request, LogprobRow]]:
         """(request, row) of the prompt logprobs of the rows computed this step, in order
         (requests that asked; :meth:`Request.input_logprob_span` says which positions)."""
@@ -297,7 +301,8 @@ class BatchSampler:
         targets: list[int] = []
         owners: list[Request] = []
         offset = 0
-        for req, n in zip(requests, num_new_tokens):
+        for e in scheduled:
+            req, n = e.request, e.num_new_tokens
             if req.input_logprobs is not None:
                 start = req.num_computed_tokens
                 for p in req.input_logprob_span(n):  # logits at position p give the logprob of token p + 1

@@ -18,6 +18,7 @@ it, and then to the next in line, so steps stay as full as without the threshold
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,22 +39,34 @@ class AdmissionError(Exception):
         self.code = code
 
 
-@dataclass
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's part of a step: its next ``num_new_tokens`` tokens (speculating: its
+    last token and each draft), and whether the step reaches the end of its known and
+    pending tokens (and so samples)."""
+
+    request: Request
+    num_new_tokens: int
+    samples: bool = False
+
+
+@dataclass(slots=True)
 class ScheduledBatch:
-    requests: list[Request] = field(default_factory=list)  # 1-token chunks (decodes) first
-    num_new_tokens: list[int] = field(default_factory=list)
-    # per request: does this step reach the end of its known and pending tokens (and so sample)?
-    samples: list[bool] = field(default_factory=list)
+    entries: list[ScheduledRequest] = field(default_factory=list)  # 1-token chunks (decodes) first
+
+    @property
+    def requests(self) -> list[Request]:
+        return [e.request for e in self.entries]
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+        return sum(e.num_new_tokens for e in self.entries)
 
     @property
     def sampling_requests(self) -> list[Request]:
         """The requests that sample, in batch order; each owns the next 1 + len(draft_ids)
         rows of the step's sampled tokens (one row but for a speculating request)."""
-        return [r for r, s in zip(self.requests, self.samples) if s]
+        return [e.request for e in self.entries if e.samples]
 
     @property
     def sampling_rows(self) -> list[Request]:
@@ -61,16 +74,15 @@ class ScheduledBatch:
         return [r for r in self.sampling_requests for _ in range(1 + len(r.draft_ids))]
 
     def __len__(self) -> int:
-        return len(self.requests)
+        return len(self.entries)
+
+    def __iter__(self) -> Iterator[ScheduledRequest]:
+        return iter(self.entries)
 
     def unfinished(self) -> ScheduledBatch:
         """The batch without the requests that finished since it was scheduled."""
-        keep = [i for i, r in enumerate(self.requests) if not r.is_finished]
-        if len(keep) == len(self.requests):
-            return self
-        return ScheduledBatch(
-            [self.requests[i] for i in keep], [self.num_new_tokens[i] for i in keep], [self.samples[i] for i in keep]
-        )
+        keep = [e for e in self.entries if not e.request.is_finished]
+        return self if len(keep) == len(self.entries) else ScheduledBatch(keep)
 
 
 @dataclass
@@ -214,7 +226,7 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[ScheduledRequest] = []
         budget = self.config.max_num_batched_tokens
         cap = self.config.long_prefill_token_threshold or budget
         budget, pool_short = self._schedule_running(scheduled, budget, cap)
@@ -229,14 +241,13 @@ class Scheduler:
             self._add_drafts(scheduled, budget)
         # Single-token chunks (decodes, and prefills cut to one token) and speculating
         # decodes (one row per token) first: the attention path batches them as decodes.
-        scheduled.sort(key=lambda item: item[1] != 1 and not item[0].draft_ids)
-        return ScheduledBatch(
-            [r for r, _ in scheduled],
-            [n for _, n in scheduled],
-            [r.num_computed_tokens + n - len(r.draft_ids) == r.num_tokens_with_pending for r, n in scheduled],
-        )
+        scheduled.sort(key=lambda e: e.num_new_tokens != 1 and not e.request.draft_ids)
+        for e in scheduled:
+            r = e.request
+            e.samples = r.num_computed_tokens + e.num_new_tokens - len(r.draft_ids) == r.num_tokens_with_pending
+        return ScheduledBatch(scheduled)
 
-    def _schedule_running(self, scheduled: list[tuple[Request, int]], budget: int, cap: int) -> tuple[int, bool]:
+    def _schedule_running(self, scheduled: list[ScheduledRequest], budget: int, cap: int) -> tuple[int, bool]:
         """Give running requests their next chunk (a decode: one token; a prefill chunk at
         most ``cap``), preempting the newest ones when the pool runs dry. Returns (budget
         left, whether the pool ran short)."""
@@ -261,24 +272,25 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append((req, n))
+                scheduled.append(ScheduledRequest(req, n))
                 budget -= n
                 i += 1
         return budget, pool_short
 
-    def _add_drafts(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
+    def _add_drafts(self, scheduled: list[ScheduledRequest], budget: int) -> None:
         """Give decoding requests draft tokens to verify in this step, out of the budget the
         step's other work left (drafts never delay a prefill), each as far as a match goes,
         the decode rows stay within ``max_speculative_rows`` and the pool keeps a block for
         every running request's next token (a draft must not cost a preemption)."""
-        rows = decodes = sum(1 for _, n in scheduled if n == 1)
+        rows = decodes = sum(1 for e in scheduled if e.num_new_tokens == 1)
         row_cap = self.config.max_speculative_rows
         bs = self.kv.block_size
-        for i, (req, n) in enumerate(scheduled):
+        for e in scheduled:
+            req = e.request
             room = min(budget, row_cap - rows if row_cap else budget)
             if room < 1:
                 return
-            if n != 1 or req.num_computed_tokens != req.num_tokens - 1 or not self.drafter.eligible(req):
+            if e.num_new_tokens != 1 or req.num_computed_tokens != req.num_tokens - 1 or not self.drafter.eligible(req):
                 continue
             if not self.drafter.pays(req, decodes):
                 continue
@@ -289,11 +301,11 @@ class Scheduler:
             drafts = self.drafter.propose(req, limit)
             if drafts and self.kv.allocate(req, 1 + len(drafts)):
                 req.draft_ids = drafts
-                scheduled[i] = (req, 1 + len(drafts))
+                e.num_new_tokens = 1 + len(drafts)
                 budget -= len(drafts)
                 rows += len(drafts)
 
-    def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int, cap: int) -> tuple[int, bool]:
+    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int, cap: int) -> tuple[int, bool]:
         """Admit waiting requests in order while the budget, the running slots and the pool
         allow, each with its cached prefix and a first chunk of at most ``cap``; a long one
         (more than ``cap`` tokens to compute) is passed over while another long prompt
@@ -302,7 +314,7 @@ class Scheduler:
         # request whose next uncached block is one of them waits a step and takes it from the
         # cache instead of computing it again (n > 1 siblings, a burst with one system prompt).
         in_progress: set[bytes] | None = None
-        long_prefilling = any(_is_cut(r, n) for r, n in scheduled)
+        long_prefilling = any(_is_cut(e.request, e.num_new_tokens) for e in scheduled)
         passed_over = False
         j = 0  # waiting[:j]: passed over until then
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_running_requests:
@@ -334,20 +346,21 @@ class Scheduler:
             self.kv.allocate(req, n)
             req.status = Status.RUNNING
             self.running.append(req)
-            scheduled.append((req, n))
+            scheduled.append(ScheduledRequest(req, n))
             budget -= n
             long_prefilling |= to_compute > cap
         return budget, passed_over
 
-    def _extend_cut_chunks(self, scheduled: list[tuple[Request, int]], budget: int) -> int:
+    def _extend_cut_chunks(self, scheduled: list[ScheduledRequest], budget: int) -> int:
         """Give the budget nobody else took back to the prefill chunks cut short, oldest
         first. A chunk whose whole extension the free blocks cannot hold stays as cut:
         squeezing the pool dry would preempt decodes on the next step. Returns the budget left."""
-        for i, (req, n) in enumerate(scheduled):
+        for e in scheduled:
+            req, n = e.request, e.num_new_tokens
             if budget and _is_cut(req, n):
                 extra = min(req.num_tokens_with_pending - req.num_computed_tokens - n, budget)
                 if self.kv.allocate(req, n + extra):
-                    scheduled[i] = (req, n + extra)
+                    e.num_new_tokens = n + extra
                     budget -= extra
         return budget
 
@@ -355,13 +368,14 @@ class Scheduler:
         """Right after a step is launched: count its tokens as computed. Each request that
         samples in it has one more pending token, in its row of the step's sampled tokens."""
         row = 0
-        for req, n, samples in zip(batch.requests, batch.num_new_tokens, batch.samples):
+        for e in batch:
+            req, n = e.request, e.num_new_tokens
             if req.input_logprobs is not None:  # (a per-request check on the hot path: cheap first)
                 span = req.input_logprob_span(n)
                 if span:  # those positions' prompt logprobs come with this step
                     req.input_logprob_next = span.stop
             req.num_computed_tokens += n
-            if samples:
+            if e.samples:
                 req.pending_row = row
                 req.num_pending += 1
                 row += 1 + len(req.draft_ids)
@@ -403,9 +417,9 @@ class Scheduler:
                 # a request preempted while this step ran sits in the queue
                 (self.running if was_running else self.waiting).remove(req)
                 self._retire(req)
-        for req in batch.requests:
-            if not req.is_finished:
-                self.kv.commit(req)
+        for e in batch:
+            if not e.request.is_finished:
+                self.kv.commit(e.request)
         return appended
 
     def _accept(self, req: Request, tokens: list[int]) -> int:
