@@ -15,9 +15,14 @@ row costs the same pass over the weights, so a few rows cost little more than on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .request import Request
 from .sampling_batch import BatchSampler
+
+if TYPE_CHECKING:
+    from .kv_manager import KVCacheManager
+    from .scheduler import ScheduledRequest
 
 MAX_NGRAM = 4  # the longest suffix looked up (a longer match is the more specific guess)
 MIN_NGRAM = 2  # a single repeated token is too weak a hint: its drafts would mostly be wasted rows
@@ -39,10 +44,70 @@ class DraftState:
 
 
 class NgramDrafter:
-    def __init__(self, max_draft_tokens: int, doubling_rows: int | None = None):
+    def __init__(self, max_draft_tokens: int, doubling_rows: int | None = None, max_rows: int | None = None):
         self.max_draft_tokens = max_draft_tokens
         # decode rows at which a step's per-row cost equals its fixed cost (None: rows are free)
         self.doubling_rows = doubling_rows
+        # most decode rows (one per decode, one per draft) a step may have with drafts; None: no limit
+        self.max_rows = max_rows
+        self.num_draft_tokens = 0  # drafts verified, and of them kept (speculation's acceptance)
+        self.num_accepted_drafts = 0
+
+    def add_drafts(self, scheduled: list[ScheduledRequest], budget: int, kv: KVCacheManager, num_running: int) -> None:
+        """Give the step's decoding requests draft tokens to verify in it, out of the
+        ``budget`` its other work left (drafts never delay a prefill), each as far as a
+        match goes, while the decode rows stay within ``max_rows`` and the pool keeps a
+        block for each of the ``num_running`` requests' next token (a draft must not cost a
+        preemption)."""
+        rows = decodes = sum(1 for e in scheduled if e.num_new_tokens == 1)
+        row_cap = self.max_rows
+        bs = kv.block_size
+        for e in scheduled:
+            req = e.request
+            room = min(budget, row_cap - rows if row_cap else budget)
+            if room < 1:
+                return
+            if e.num_new_tokens != 1 or req.num_computed_tokens != req.num_tokens - 1 or not self.eligible(req):
+                continue
+            if not self.pays(req, decodes):
+                continue
+            spare_blocks = len(req.block_ids) + kv.pool.num_free_blocks - num_running
+            limit = min(
+                room, req.max_new_tokens - req.num_output_tokens - 1, spare_blocks * bs - req.num_computed_tokens - 1
+            )
+            drafts = self.propose(req, limit)
+            if drafts and kv.allocate(req, 1 + len(drafts)):
+                req.draft_ids = drafts
+                e.num_new_tokens = 1 + len(drafts)
+                budget -= len(drafts)
+                rows += len(drafts)
+
+    def accept(self, req: Request, tokens: list[int]) -> int:
+        """A speculating request's rows: row i sampled the token after draft i - 1 (row 0:
+        after its last token). Drafts are kept while each equals the sample of the row
+        before it; the first sample that differs (or the one after the last draft) ends
+        the run. Appends them (up to a stop) and returns how many; the KV of the drafts not
+        kept leaves the computed tokens, to be written over."""
+        drafts = req.draft_ids
+        kept = 0
+        while kept < len(drafts) and tokens[kept] == drafts[kept]:
+            kept += 1
+        req.num_computed_tokens -= len(drafts) - kept
+        req.draft_ids = []
+        appended = 0
+        for token in tokens[: kept + 1]:
+            req.append_token(token)
+            appended += 1
+            if req.is_finished:  # a stop inside the kept drafts: what follows it never was
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+                kept = appended - 1
+                break
+        self.record(req, len(drafts), kept)
+        req.num_draft_tokens += len(drafts)
+        req.num_accepted_drafts += kept
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_drafts += kept
+        return appended
 
     def pays(self, req: Request, rows: int) -> bool:
         """Whether the request's drafts are worth their rows in a step of ``rows`` decode

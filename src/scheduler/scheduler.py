@@ -116,12 +116,14 @@ class Scheduler:
         self.held: dict[str, Request] = {}  # admitted, not schedulable yet (grammar compiling)
         self.requests: dict[str, Request] = {}
         self.drafter = (
-            NgramDrafter(config.max_draft_tokens, doubling_rows=config.speculative_doubling_rows)
+            NgramDrafter(
+                config.max_draft_tokens,
+                doubling_rows=config.speculative_doubling_rows,
+                max_rows=config.max_speculative_rows,
+            )
             if config.max_draft_tokens
             else None
         )
-        self.num_draft_tokens = 0  # drafts verified, and of them kept (speculation's acceptance)
-        self.num_accepted_drafts = 0
         self.finished: list[Request] = []  # finished since the last drain (aborts included)
         self.num_preemptions = 0
         # prompt tokens of first admissions, and those of them served from the prefix cache
@@ -214,6 +216,15 @@ class Scheduler:
             )
 
     @property
+    def num_draft_tokens(self) -> int:
+        """Drafts verified (the drafter counts them, and of them :attr:`num_accepted_drafts` kept)."""
+        return self.drafter.num_draft_tokens if self.drafter is not None else 0
+
+    @property
+    def num_accepted_drafts(self) -> int:
+        return self.drafter.num_accepted_drafts if self.drafter is not None else 0
+
+    @property
     def num_waiting(self) -> int:
         """Requests not running yet: queued, or held while their grammar compiles."""
         return len(self.waiting) + len(self.held)
@@ -238,7 +249,7 @@ class Scheduler:
             if budget and passed_over:  # still some left: the next in line, long or not
                 budget, _ = self._admit_waiting(scheduled, budget, budget)
         if budget > 1 and self.drafter is not None and not pool_short:  # what prefill left over
-            self._add_drafts(scheduled, budget)
+            self.drafter.add_drafts(scheduled, budget, self.kv, len(self.running))
         # Single-token chunks (decodes, and prefills cut to one token) and speculating
         # decodes (one row per token) first: the attention path batches them as decodes.
         scheduled.sort(key=lambda e: e.num_new_tokens != 1 and not e.request.draft_ids)
@@ -276,34 +287,6 @@ class Scheduler:
                 budget -= n
                 i += 1
         return budget, pool_short
-
-    def _add_drafts(self, scheduled: list[ScheduledRequest], budget: int) -> None:
-        """Give decoding requests draft tokens to verify in this step, out of the budget the
-        step's other work left (drafts never delay a prefill), each as far as a match goes,
-        the decode rows stay within ``max_speculative_rows`` and the pool keeps a block for
-        every running request's next token (a draft must not cost a preemption)."""
-        rows = decodes = sum(1 for e in scheduled if e.num_new_tokens == 1)
-        row_cap = self.config.max_speculative_rows
-        bs = self.kv.block_size
-        for e in scheduled:
-            req = e.request
-            room = min(budget, row_cap - rows if row_cap else budget)
-            if room < 1:
-                return
-            if e.num_new_tokens != 1 or req.num_computed_tokens != req.num_tokens - 1 or not self.drafter.eligible(req):
-                continue
-            if not self.drafter.pays(req, decodes):
-                continue
-            spare_blocks = len(req.block_ids) + self.kv.pool.num_free_blocks - len(self.running)
-            limit = min(
-                room, req.max_new_tokens - req.num_output_tokens - 1, spare_blocks * bs - req.num_computed_tokens - 1
-            )
-            drafts = self.drafter.propose(req, limit)
-            if drafts and self.kv.allocate(req, 1 + len(drafts)):
-                req.draft_ids = drafts
-                e.num_new_tokens = 1 + len(drafts)
-                budget -= len(drafts)
-                rows += len(drafts)
 
     def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int, cap: int) -> tuple[int, bool]:
         """Admit waiting requests in order while the budget, the running slots and the pool
@@ -402,7 +385,7 @@ class Scheduler:
                 continue
             was_running = req.status is Status.RUNNING
             if req.draft_ids:
-                appended += self._accept(req, tokens)
+                appended += self.drafter.accept(req, tokens)
             else:
                 before = req.num_output_tokens
                 req.append_token(tokens[0])
@@ -420,33 +403,6 @@ class Scheduler:
         for e in batch:
             if not e.request.is_finished:
                 self.kv.commit(e.request)
-        return appended
-
-    def _accept(self, req: Request, tokens: list[int]) -> int:
-        """A speculating request's rows: row i sampled the token after draft i - 1 (row 0:
-        after its last token). Drafts are kept while each equals the sample of the row
-        before it; the first sample that differs (or the one after the last draft) ends
-        the run. Appends them (up to a stop) and returns how many; the KV of the drafts not
-        kept leaves the computed tokens, to be written over."""
-        drafts = req.draft_ids
-        kept = 0
-        while kept < len(drafts) and tokens[kept] == drafts[kept]:
-            kept += 1
-        req.num_computed_tokens -= len(drafts) - kept
-        req.draft_ids = []
-        appended = 0
-        for token in tokens[: kept + 1]:
-            req.append_token(token)
-            appended += 1
-            if req.is_finished:  # a stop inside the kept drafts: what follows it never was
-                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
-                kept = appended - 1
-                break
-        self.drafter.record(req, len(drafts), kept)
-        req.num_draft_tokens += len(drafts)
-        req.num_accepted_drafts += kept
-        self.num_draft_tokens += len(drafts)
-        self.num_accepted_drafts += kept
         return appended
 
     def take_finished(self) -> list[Request]:
