@@ -266,9 +266,7 @@ def test_requests_that_can_never_run_are_refused(prompt_len, max_new, code):
 
 def test_queue_limit_counts_only_requests_beyond_the_free_running_slots():
     pool = BlockPool(64, 4, True)
-    sched = Scheduler(
-        SchedulerConfig(max_running_requests=2, max_queued_requests=1), KVCacheManager(pool), frozenset({2})
-    )
+    sched = Scheduler(SchedulerConfig(2, 2048, 8192, max_queued_requests=1), KVCacheManager(pool), frozenset({2}))
     for i in range(2):  # both start at the next step
         add(sched, f"r{i}", [5, 6, 7], max_new=4)
     held = sched.add_request(AddRequest("r2", [5, 6, 7], SamplingParams(max_new_tokens=4)), hold=True)  # counts

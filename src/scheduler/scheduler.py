@@ -85,11 +85,14 @@ class ScheduledBatch:
         return self if len(keep) == len(self.entries) else ScheduledBatch(keep)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
-    max_running_requests: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 8192
+    """The scheduler's part of the resolved config (the engine fills it from resolve.py); the
+    limits have no defaults of their own, the optional features default to off."""
+
+    max_running_requests: int
+    max_num_batched_tokens: int
+    max_model_len: int
     # most requests waiting beyond the free running slots; more get RESOURCE_EXHAUSTED
     # (the router retries those elsewhere or later). None: no limit, as SGLang's default.
     max_queued_requests: int | None = None
