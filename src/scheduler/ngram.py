@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 
 MAX_NGRAM = 4  # the longest suffix looked up (a longer match is the more specific guess)
 MIN_NGRAM = 2  # a single repeated token is too weak a hint: its drafts would mostly be wasted rows
-# Only the n-grams of the last this-many tokens (of a long prompt) are indexed: the first
-# decode step of a 32k-token prompt would otherwise spend ~90 ms building its index.
+# Only the n-grams of the last this-many tokens (of a long prompt) are indexed: indexing a
+# whole long prompt would stall its first decode step (docs/performance.md).
 WINDOW = 4096
 # Each verify's share of drafts kept moves a request's average this far (the last few
 # verifies weigh most: a request can start or stop quoting its context).
