@@ -79,6 +79,14 @@ def test_kernel_and_schedule_flags():
     assert parse(["--long-prefill-token-threshold", "0"])["engine"]["long_prefill_token_threshold"] == 0
 
 
+def test_constrained_json_is_compact_unless_any_whitespace_is_allowed():
+    assert not parse([])["engine"]["constrained_json_any_whitespace"]
+    assert parse(["--constrained-json-allow-any-whitespace"])["engine"]["constrained_json_any_whitespace"]
+    assert not parse(["--constrained-json-disable-any-whitespace"])["engine"]["constrained_json_any_whitespace"]
+    both = ["--constrained-json-allow-any-whitespace", "--constrained-json-disable-any-whitespace"]
+    assert parse(both)["exit"] == 2
+
+
 @pytest.mark.parametrize(
     "argv",
     [

@@ -54,6 +54,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     seed: int = 0
     max_logprobs: int = 20  # most logprobs per token a request may ask for (as vLLM's default)
     grammar_compile_timeout_s: float = 30.0  # a structured-output grammar compiling longer is refused
+    constrained_json_any_whitespace: bool = False  # JSON constraints allow any whitespace (else compact JSON)
     served_model_name: str | None = None
 
 

@@ -64,7 +64,11 @@ class Engine:
         self.inflight: LaunchedStep | None = None  # launched, tokens not yet taken
         self._offline_ids = itertools.count()  # generate()'s request ids
         self.grammars = GrammarCompiles(
-            self.runner.model_path, mc.vocab_size, sorted(eos), rc.grammar_compile_timeout_s
+            self.runner.model_path,
+            mc.vocab_size,
+            sorted(eos),
+            rc.grammar_compile_timeout_s,
+            rc.constrained_json_any_whitespace,
         )  # for requests held meanwhile
         logger.info("overlap schedule: %s", "on" if self.overlap else "off")
         self.load = LoadSnapshot(max_total_num_tokens=self.kv.capacity_tokens)

@@ -7,6 +7,11 @@ the engine's worker threads while the request is held (milliseconds for typical 
 seconds for the first constrained request, which builds the vocabulary's tables, or for
 huge ones), so other requests keep stepping. A constraint that does not compile refuses
 the request with INVALID_ARGUMENT and xgrammar's reason.
+
+JSON schemas compile to compact JSON unless the engine allows any whitespace
+(``EngineConfig.constrained_json_any_whitespace``): a small model given that freedom pads
+its output with newlines until it runs out of tokens. The router sends ``response_format``
+json_object as the json_schema ``{"type": "object"}``, so it follows the same setting.
 """
 
 from __future__ import annotations
@@ -75,12 +80,14 @@ class GrammarBackend:
                 backend = cls._instances[key] = cls(model_path, vocab_size, stop_token_ids)
             return backend
 
-    def compile(self, kind: str, spec: str):
+    def compile(self, kind: str, spec: str, json_any_whitespace: bool = False):
+        """``json_any_whitespace``: a JSON schema's output may put any run of whitespace
+        between its tokens; otherwise it is one line with single spaces after ',' and ':'."""
         c = self.compiler
         try:
             if kind == "json_schema":
                 _check_json(kind, spec)  # xgrammar's parse errors read like its internal ones
-                return c.compile_json_schema(spec)
+                return c.compile_json_schema(spec, any_whitespace=json_any_whitespace)
             if kind == "regex":
                 return c.compile_regex(spec)
             if kind == "ebnf_grammar":
@@ -112,10 +119,10 @@ class GrammarBackend:
             return self.compiler.compile_structural_tag(tags, list(data.get("triggers", [])))
         return self.compiler.compile_structural_tag(spec)
 
-    def matcher(self, kind: str, spec: str):
+    def matcher(self, kind: str, spec: str, json_any_whitespace: bool = False):
         import xgrammar as xgr
 
-        return xgr.GrammarMatcher(self.compile(kind, spec))
+        return xgr.GrammarMatcher(self.compile(kind, spec, json_any_whitespace))
 
 
 def allocate_bitmask(rows: int, vocab_size: int):

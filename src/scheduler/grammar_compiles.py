@@ -27,12 +27,14 @@ MAX_ABANDONED_COMPILES = 2
 NUM_THREADS = 2
 
 
-def _compile_grammar(model_path: str, vocab_size: int, eos_ids: list[int], kind: str, spec: str):
+def _compile_grammar(
+    model_path: str, vocab_size: int, eos_ids: list[int], kind: str, spec: str, json_any_whitespace: bool = False
+):
     """On a worker thread (xgrammar compiles without the GIL): the request's matcher."""
     from .grammar import GrammarBackend, GrammarError
 
     try:
-        return GrammarBackend.get(model_path, vocab_size, eos_ids).matcher(kind, spec)
+        return GrammarBackend.get(model_path, vocab_size, eos_ids).matcher(kind, spec, json_any_whitespace)
     except GrammarError as e:
         raise AdmissionError(CONSTRAINT_FAILED, str(e)) from e
     except Exception as e:  # noqa: BLE001  (no xgrammar / tokenizer)
@@ -58,8 +60,16 @@ class Compiled:
 
 
 class GrammarCompiles:
-    def __init__(self, model_path: str, vocab_size: int, eos_ids: list[int], timeout_s: float):
+    def __init__(
+        self,
+        model_path: str,
+        vocab_size: int,
+        eos_ids: list[int],
+        timeout_s: float,
+        json_any_whitespace: bool = False,  # EngineConfig.constrained_json_any_whitespace
+    ):
         self._target = (model_path, vocab_size, eos_ids)
+        self.json_any_whitespace = json_any_whitespace
         self.timeout_s = timeout_s
         self.jobs: dict[str, _Compile] = {}  # by request id
         self._threads: ThreadPoolExecutor | None = None
@@ -125,7 +135,7 @@ class GrammarCompiles:
     def _start(self, kind: str, spec: str) -> Future:
         if self._threads is None:
             self._threads = ThreadPoolExecutor(max_workers=NUM_THREADS, thread_name_prefix="grammar")
-        return self._threads.submit(_compile_grammar, *self._target, kind, spec)
+        return self._threads.submit(_compile_grammar, *self._target, kind, spec, self.json_any_whitespace)
 
     def _disown(self, future: Future) -> None:
         """A compile nobody waits for any more, still running: counted until it ends."""

@@ -58,6 +58,7 @@ class ResolvedConfig:
     seed: int
     max_logprobs: int
     grammar_compile_timeout_s: float
+    constrained_json_any_whitespace: bool
     served_model_name: str
 
     @property
@@ -110,6 +111,7 @@ def resolve(config: EngineConfig, model: ModelConfig, weight_bytes: int) -> Reso
         seed=config.seed,
         max_logprobs=config.max_logprobs,
         grammar_compile_timeout_s=config.grammar_compile_timeout_s,
+        constrained_json_any_whitespace=config.constrained_json_any_whitespace,
         served_model_name=config.served_model_name or config.model,
     )
     if resolved.kv_capacity_tokens < max_model_len:

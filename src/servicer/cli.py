@@ -221,6 +221,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a structured-output grammar (regex, JSON schema, EBNF) may take to compile "
         "before its request is refused",
     )
+    json_ws = p.add_mutually_exclusive_group()
+    json_ws.add_argument(
+        "--constrained-json-allow-any-whitespace",
+        dest="constrained_json_any_whitespace",
+        action="store_true",
+        default=e.constrained_json_any_whitespace,
+        help="let JSON-schema constrained output (response_format json_schema and json_object) put any run "
+        "of whitespace between tokens, as SGLang and vLLM do by default; off by default because small "
+        "models then pad with newlines until max_tokens and return JSON that does not parse, while "
+        "the default compact form (one line, ', ' and ': ') always parses when the grammar finishes",
+    )
+    json_ws.add_argument(
+        "--constrained-json-disable-any-whitespace",
+        dest="constrained_json_any_whitespace",
+        action="store_false",
+        default=e.constrained_json_any_whitespace,
+        help="compact JSON for JSON-schema constraints: the default here (SGLang's spelling, accepted)",
+    )
     p.add_argument(
         "--num-threads",
         type=_COUNT,
