@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import NoReturn
 
 import msgspec
 import zmq
@@ -104,15 +105,23 @@ class HeartbeatThread(threading.Thread):
         self.socket = ctx.socket(zmq.PUSH)  # zmq sockets are not thread-safe: its own
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(outbox_addr)
+        self.stopping = threading.Event()
 
     def current(self) -> Heartbeat:
         load, started = self.loop.beat  # one read: see SchedulerLoop.beat
         return Heartbeat(load, time.monotonic() - started if started else 0.0)
 
     def run(self) -> None:
-        while True:
+        while not self.stopping.is_set():
             self.socket.send(from_scheduler_encoder.encode(self.current()))
-            time.sleep(HEARTBEAT_S)
+            self.stopping.wait(HEARTBEAT_S)
+        self.socket.close()
+
+    def stop(self, timeout: float = 2.0) -> bool:
+        """Stop beating and close the socket; whether the thread ended within ``timeout``."""
+        self.stopping.set()
+        self.join(timeout)
+        return not self.is_alive()
 
 
 class SchedulerLoop:
@@ -256,7 +265,28 @@ def _preload_tokenizer(model_path: str) -> None:
     gc.freeze()  # the tokenizer's objects too (no collect here: it would pause the step loop)
 
 
+def _close_sockets(ctx: zmq.Context, inbox: zmq.Socket, outbox: zmq.Socket, heartbeat: HeartbeatThread | None):
+    """Close every socket, delivering what the outbox still queues (up to its linger): the
+    process then ends with os._exit, which would drop it."""
+    heartbeat_closed = heartbeat is None or heartbeat.stop()
+    inbox.close(0)
+    outbox.close()
+    if heartbeat_closed:  # (term() waits for every socket)
+        ctx.term()
+
+
+def _exit_without_teardown(code: int) -> NoReturn:
+    """End the process once its logs are flushed, skipping the interpreter's teardown: there
+    Triton's nanobind bindings report dozens of "leaked" objects, and Python would join grammar
+    compiles still running on worker threads (they cannot be interrupted)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Serve until the servicer's shutdown call; the exit code (sockets already closed)."""
     parser = argparse.ArgumentParser(description="scheduler process (started by the servicer)")
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
     parser.add_argument("--inbox", required=True, help="ZMQ address to PULL requests from")
@@ -296,33 +326,31 @@ def main(argv: list[str] | None = None) -> int:
         expected = isinstance(e, (ValueError, NotImplementedError, OSError))
         logger.error("scheduler start-up failed: %s%s", e, "" if expected else "\n" + traceback.format_exc())
         send(EngineDead(f"{type(e).__name__}: {e}"))
-        inbox.close(0)  # (term() waits for every socket)
-        outbox.close()
-        ctx.term()
+        _close_sockets(ctx, inbox, outbox, None)
         return 1
     logger.info("scheduler ready (pid %d)", os.getpid())
     # Stop strings need the tokenizer on the step loop: load it now, beside it (seconds,
     # mostly importing transformers), rather than stall every request on the first stop.
     threading.Thread(target=_preload_tokenizer, args=(engine.runner.model_path,), name="tokenizer", daemon=True).start()
+    heartbeat = None
     try:
         loop = SchedulerLoop(engine, inbox, outbox)
-        HeartbeatThread(ctx, args.outbox, loop).start()
+        heartbeat = HeartbeatThread(ctx, args.outbox, loop)
+        heartbeat.start()
         loop.run()
     except Exception as e:
         logger.error("scheduler loop crashed: %s\n%s", e, traceback.format_exc())
         send(EngineDead(f"scheduler crashed: {type(e).__name__}: {e}"))
+        _close_sockets(ctx, inbox, outbox, heartbeat)
         return 1
     writing = loop.profiler.writing
     if writing is not None and not writing.wait(timeout=2.0):
         logger.warning("stopping before the profile trace %s was written", writing.path)
         writing.discard()
+    _close_sockets(ctx, inbox, outbox, heartbeat)
     logger.info("scheduler stopped")
-    if engine.grammars.abandoned or engine.grammars:  # Python would join compiling threads at exit
-        outbox.close(linger=1000)
-        logging.shutdown()
-        os._exit(0)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit_without_teardown(main())
