@@ -542,3 +542,33 @@ def scheduler_stub(address: str, timeout: float = 30.0):
         yield pb_grpc.SglangSchedulerStub(channel)
     finally:
         channel.close()
+
+
+def sample_model_info(**fields):
+    """A complete scheduler.messages.ModelInfo of a small model for unit tests, ``fields`` changed."""
+    from scheduler.messages import ModelInfo
+
+    small = dict(
+        model_path="model",
+        tokenizer_path="model",
+        served_model_name="model",
+        max_context_length=64,
+        vocab_size=1000,
+        eos_token_ids=[2],
+        bos_token_id=1,
+        pad_token_id=0,
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        max_total_num_tokens=1024,
+        max_running_requests=4,
+        max_queued_requests=None,
+        max_logprobs=20,
+        max_num_batched_tokens=512,
+        long_prefill_token_threshold=256,
+        block_size=16,
+        device="cpu",
+        dtype="float32",
+        weight_gb=0.1,
+        kv_cache_gb=0.2,
+    )
+    return ModelInfo(**{**small, **fields})

@@ -57,10 +57,11 @@ class FakeClient:
     """What the service and the hub read from a SchedulerClient."""
 
     def __init__(self):
+        from helpers import sample_model_info
         from servicer.scheduler_client import Liveness
 
         self.liveness = Liveness(last_message=time.monotonic(), load=LoadSnapshot(max_total_num_tokens=1024))
-        self.model_info = {"max_running_requests": 8, "weight_gb": 0.1, "kv_cache_gb": 0.2}
+        self.model_info = sample_model_info(max_running_requests=8, weight_gb=0.1, kv_cache_gb=0.2)
         self.died = asyncio.Event()
         self.dead_reason = None
         self.alive = True

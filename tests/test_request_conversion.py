@@ -3,18 +3,14 @@ messages: what is refused before anything reaches the scheduler."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from helpers import sample_model_info
 from servicer.request_conversion import InvalidRequest, to_add_request
 
-INFO = {
-    "vocab_size": 1000,
-    "max_context_length": 64,
-    "max_running_requests": 4,
-    "max_queued_requests": None,
-    "max_logprobs": 20,
-}
+INFO = sample_model_info(vocab_size=1000, max_context_length=64, max_running_requests=4, max_logprobs=20)
 
 
 def request(input_ids, n=1, **sp):
@@ -47,7 +43,7 @@ def test_an_out_of_vocabulary_token_is_named():
 def test_n_beyond_what_can_ever_queue_together_is_invalid(queued, n, refused):
     """With --max-queued-requests, n sequences queue one by one: more than running + queued
     would always be RESOURCE_EXHAUSTED (retried by the router forever): INVALID_ARGUMENT."""
-    info = dict(INFO, max_queued_requests=queued)
+    info = msgspec.structs.replace(INFO, max_queued_requests=queued)
     if not refused:
         to_add_request(request([1, 2], n=n), info)
         return

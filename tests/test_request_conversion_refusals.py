@@ -7,15 +7,10 @@ from __future__ import annotations
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from helpers import sample_model_info
 from servicer.request_conversion import InvalidRequest, to_add_request
 
-INFO = {
-    "vocab_size": 1000,
-    "max_context_length": 64,
-    "max_running_requests": 4,
-    "max_queued_requests": None,
-    "max_logprobs": 20,
-}
+INFO = sample_model_info(vocab_size=1000, max_context_length=64, max_running_requests=4, max_logprobs=20)
 
 
 def request(rid="r", sp=None, custom=None, bias=None, **fields) -> pb.GenerateRequest:

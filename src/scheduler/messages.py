@@ -206,8 +206,35 @@ class Heartbeat(msgspec.Struct, tag=True):
     in_step_s: float  # how long the current step has run; 0 between steps
 
 
+class ModelInfo(msgspec.Struct, kw_only=True):
+    """What the loaded engine serves (sent once, in EngineReady): GetModelInfo and
+    GetServerInfo answer from it, and requests are validated against its limits."""
+
+    model_path: str
+    tokenizer_path: str  # a directory AutoTokenizer loads (a GGUF's tokenizer converted)
+    served_model_name: str
+    max_context_length: int  # tokens: --max-model-len, else the model's own
+    vocab_size: int
+    eos_token_ids: list[int]
+    bos_token_id: int  # 0 when the model has none
+    pad_token_id: int  # 0 when the model has none
+    model_type: str  # e.g. "llama"
+    architectures: list[str]  # e.g. ["LlamaForCausalLM"]
+    max_total_num_tokens: int  # KV cache capacity
+    max_running_requests: int
+    max_queued_requests: int | None  # None: no limit
+    max_logprobs: int
+    max_num_batched_tokens: int
+    long_prefill_token_threshold: int  # 0: off
+    block_size: int
+    device: str  # e.g. "cpu", "cuda:0"
+    dtype: str  # e.g. "float32", "bfloat16"
+    weight_gb: float  # GiB
+    kv_cache_gb: float  # GiB
+
+
 class EngineReady(msgspec.Struct, tag=True):
-    model_info: dict[str, Any]
+    model_info: ModelInfo
 
 
 class ControlReply(msgspec.Struct, tag=True):

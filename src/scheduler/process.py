@@ -39,6 +39,7 @@ from .messages import (
     EngineReady,
     Heartbeat,
     KvEvents,
+    ModelInfo,
     RequestOutput,
     StepOutput,
     from_scheduler_encoder,
@@ -66,34 +67,34 @@ def _tie_lifetime_to_parent() -> None:
     signal.signal(signal.SIGINT, on_signal)
 
 
-def model_info(engine, config: EngineConfig) -> dict:
+def model_info(engine, config: EngineConfig) -> ModelInfo:
     from .model_source import prepare_tokenizer_dir
 
     runner = engine.runner
     mc = runner.model_config
-    return {
-        "model_path": runner.model_path,
-        "tokenizer_path": prepare_tokenizer_dir(runner.model_path),
-        "served_model_name": config.served_model_name or config.model,
-        "max_context_length": runner.max_model_len,
-        "vocab_size": mc.vocab_size,
-        "eos_token_ids": list(mc.eos_token_ids),
-        "bos_token_id": mc.bos_token_id if mc.bos_token_id is not None else 0,
-        "pad_token_id": mc.pad_token_id if mc.pad_token_id is not None else 0,
-        "model_type": mc.model_type,
-        "architectures": [mc.architecture],
-        "max_total_num_tokens": engine.kv.capacity_tokens,
-        "max_running_requests": runner.max_running_requests,
-        "max_queued_requests": config.max_queued_requests,
-        "max_logprobs": config.max_logprobs,
-        "max_num_batched_tokens": runner.max_num_batched_tokens,
-        "long_prefill_token_threshold": engine.scheduler.config.long_prefill_token_threshold,
-        "block_size": config.block_size,
-        "device": str(runner.device),
-        "dtype": str(runner.dtype).removeprefix("torch."),
-        "weight_gb": runner.weight_bytes / 2**30,
-        "kv_cache_gb": runner.kv_cache_bytes / 2**30,
-    }
+    return ModelInfo(
+        model_path=runner.model_path,
+        tokenizer_path=prepare_tokenizer_dir(runner.model_path),
+        served_model_name=config.served_model_name or config.model,
+        max_context_length=runner.max_model_len,
+        vocab_size=mc.vocab_size,
+        eos_token_ids=list(mc.eos_token_ids),
+        bos_token_id=mc.bos_token_id if mc.bos_token_id is not None else 0,
+        pad_token_id=mc.pad_token_id if mc.pad_token_id is not None else 0,
+        model_type=mc.model_type,
+        architectures=[mc.architecture],
+        max_total_num_tokens=engine.kv.capacity_tokens,
+        max_running_requests=runner.max_running_requests,
+        max_queued_requests=config.max_queued_requests,
+        max_logprobs=config.max_logprobs,
+        max_num_batched_tokens=runner.max_num_batched_tokens,
+        long_prefill_token_threshold=engine.scheduler.config.long_prefill_token_threshold,
+        block_size=config.block_size,
+        device=str(runner.device),
+        dtype=str(runner.dtype).removeprefix("torch."),
+        weight_gb=runner.weight_bytes / 2**30,
+        kv_cache_gb=runner.kv_cache_bytes / 2**30,
+    )
 
 
 class HeartbeatThread(threading.Thread):

@@ -147,7 +147,7 @@ class _LoadRecords:
     def record(self, load_only: bool, telemetry: bool) -> common_pb2.EngineLoad:
         client = self.client
         s = client.liveness.load
-        info = client.model_info or {}
+        info = client.model_info  # (None while the model loads)
         total = s.max_total_num_tokens
         self.sample += 1
         self.last_key = self.key()
@@ -158,7 +158,7 @@ class _LoadRecords:
             waiting_uncached_tokens=min(s.num_waiting_uncached_tokens, UINT32_MAX),
             token_usage=s.token_usage,
             gen_throughput=s.gen_throughput,
-            max_running_requests=info.get("max_running_requests", 0),
+            max_running_requests=info.max_running_requests if info else 0,
             age_ms=min(max(int(age_s * 1000), 0), UINT32_MAX),
             sample=self.sample,
             load_only=load_only,
@@ -169,7 +169,9 @@ class _LoadRecords:
             load.max_total_num_tokens = total
             load.memory.CopyFrom(
                 common_pb2.EngineMemory(
-                    weight_gb=info.get("weight_gb", 0.0), kv_cache_gb=info.get("kv_cache_gb", 0.0), token_capacity=total
+                    weight_gb=info.weight_gb if info else 0.0,
+                    kv_cache_gb=info.kv_cache_gb if info else 0.0,
+                    token_capacity=total,
                 )
             )
             load.queues.CopyFrom(common_pb2.EngineQueues(waiting=s.num_waiting))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from scheduler.messages import AddRequest, SamplingParams, out_of_vocabulary
+from scheduler.messages import AddRequest, ModelInfo, SamplingParams, out_of_vocabulary
 
 MAX_N = 1024  # sequences per Generate call (OpenAI allows 128)
 MAX_SEED = 2**64  # seeds are 64-bit; negative ones wrap
@@ -134,7 +134,7 @@ def reject_unsupported(request) -> None:
             raise InvalidRequest(f"{name} is not supported by this server (text-only, one engine)")
 
 
-def to_add_request(request, model_info: dict) -> AddRequest:
+def to_add_request(request, model_info: ModelInfo) -> AddRequest:
     """Validate a GenerateRequest against the model and build the scheduler message."""
     if not request.request_id:
         raise InvalidRequest("request_id is empty")
@@ -142,7 +142,7 @@ def to_add_request(request, model_info: dict) -> AddRequest:
     n = request.sampling_params.n
     if n > MAX_N:
         raise InvalidRequest(f"sampling_params.n must be at most {MAX_N}, got {n}")
-    queued, running = model_info["max_queued_requests"], model_info["max_running_requests"]
+    queued, running = model_info.max_queued_requests, model_info.max_running_requests
     if queued is not None and n > running + queued:  # its sequences queue one by one: never all admitted
         raise InvalidRequest(
             f"sampling_params.n={n} sequences can never be queued together: at most {running} run "
@@ -151,11 +151,11 @@ def to_add_request(request, model_info: dict) -> AddRequest:
     num_ids = len(request.tokenized.input_ids)
     if not num_ids:
         raise InvalidRequest("the prompt is empty (tokenized.input_ids has 0 tokens)")
-    limit = model_info["max_context_length"]
+    limit = model_info.max_context_length
     if num_ids >= limit:  # before copying or scanning it; the scheduler's admission checks the rest
         raise InvalidRequest(f"the prompt has {num_ids} tokens; the context limit is {limit} (prompt must be shorter)")
     input_ids = list(request.tokenized.input_ids)
-    vocab = model_info["vocab_size"]
+    vocab = model_info.vocab_size
     bad = out_of_vocabulary(input_ids, vocab)
     if bad is not None:
         raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {vocab})")
@@ -173,7 +173,7 @@ def to_add_request(request, model_info: dict) -> AddRequest:
     if request.return_logprob:
         if request.top_logprobs_num < 0:
             raise InvalidRequest(f"top_logprobs_num must be >= 0, got {request.top_logprobs_num}")
-        max_logprobs = model_info["max_logprobs"]
+        max_logprobs = model_info.max_logprobs
         for name, count in (
             ("top_logprobs_num", request.top_logprobs_num),
             ("token_ids_logprob", len(request.token_ids_logprob)),

@@ -29,6 +29,7 @@ from scheduler.messages import (
     Heartbeat,
     KvEvents,
     LoadSnapshot,
+    ModelInfo,
     StepOutput,
     from_scheduler_decoder,
     to_scheduler_encoder,
@@ -86,7 +87,7 @@ class SchedulerClient:
         self.from_scheduler = self.ctx.socket(zmq.PULL)
         self.from_scheduler.bind(self.outbox_addr)
         self.process: asyncio.subprocess.Process | None = None
-        self.model_info: dict | None = None
+        self.model_info: ModelInfo | None = None  # from EngineReady
         self.liveness = Liveness()
         self.dead_reason: str | None = None
         self.ready = asyncio.Event()

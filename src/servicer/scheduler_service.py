@@ -15,7 +15,7 @@ import msgspec
 from google.protobuf import struct_pb2, timestamp_pb2
 
 from scheduler.config import EngineConfig
-from scheduler.messages import CONSTRAINT_FAILED
+from scheduler.messages import CONSTRAINT_FAILED, ModelInfo
 
 from .generate_responses import GenerateResponses
 from .generated import common_pb2
@@ -60,8 +60,9 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         client.kv_event_listener = self.kv_events.publish
 
     @property
-    def info(self) -> dict:
-        return self.client.model_info or {}
+    def info(self) -> ModelInfo:
+        """Set once the model is loaded, which _require_ready checks before every use."""
+        return self.client.model_info
 
     async def _require_ready(self, context) -> None:
         if self.health.shutting_down:
@@ -173,41 +174,41 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         await self._require_ready(context)
         i = self.info
         return pb.GetModelInfoResponse(
-            model_path=i["model_path"],
-            tokenizer_path=i["tokenizer_path"],
+            model_path=i.model_path,
+            tokenizer_path=i.tokenizer_path,
             is_generation=True,
-            served_model_name=i["served_model_name"],
-            max_context_length=i["max_context_length"],
-            vocab_size=i["vocab_size"],
+            served_model_name=i.served_model_name,
+            max_context_length=i.max_context_length,
+            vocab_size=i.vocab_size,
             supports_vision=False,
-            model_type=i["model_type"],
-            eos_token_ids=i["eos_token_ids"],
-            pad_token_id=i["pad_token_id"],
-            bos_token_id=i["bos_token_id"],
-            max_req_input_len=min(i["max_context_length"], i["max_total_num_tokens"]) - 1,
-            architectures=i["architectures"],
+            model_type=i.model_type,
+            eos_token_ids=i.eos_token_ids,
+            pad_token_id=i.pad_token_id,
+            bos_token_id=i.bos_token_id,
+            max_req_input_len=min(i.max_context_length, i.max_total_num_tokens) - 1,
+            architectures=i.architectures,
         )
 
     def server_args(self) -> dict:
         i = self.info
         return {
-            "model_path": i["model_path"],
-            "served_model_name": i["served_model_name"],
-            "tokenizer_path": i["tokenizer_path"],
+            "model_path": i.model_path,
+            "served_model_name": i.served_model_name,
+            "tokenizer_path": i.tokenizer_path,
             "tp_size": 1,
             "dp_size": 1,
             "pp_size": 1,
-            "context_length": i["max_context_length"],
-            "max_total_tokens": i["max_total_num_tokens"],
-            "max_running_requests": i["max_running_requests"],
-            "max_queued_requests": i["max_queued_requests"],
-            "max_num_batched_tokens": i["max_num_batched_tokens"],
-            "long_prefill_token_threshold": i["long_prefill_token_threshold"],
-            "page_size": i["block_size"],
-            "device": i["device"],
-            "dtype": i["dtype"],
+            "context_length": i.max_context_length,
+            "max_total_tokens": i.max_total_num_tokens,
+            "max_running_requests": i.max_running_requests,
+            "max_queued_requests": i.max_queued_requests,
+            "max_num_batched_tokens": i.max_num_batched_tokens,
+            "long_prefill_token_threshold": i.long_prefill_token_threshold,
+            "page_size": i.block_size,
+            "device": i.device,
+            "dtype": i.dtype,
             "is_embedding": False,
-            "vocab_size": i["vocab_size"],
+            "vocab_size": i.vocab_size,
             "disaggregation_mode": "null",
             "enable_prefix_caching": self.config.enable_prefix_caching,
         }
@@ -228,7 +229,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             sglang_version=VERSION,
             server_type="grpc",
             start_time=start,
-            max_total_num_tokens=self.info["max_total_num_tokens"],
+            max_total_num_tokens=self.info.max_total_num_tokens,
         )
 
     async def GetLoads(self, request, context):
@@ -242,7 +243,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         include = set(request.include) or {"all"}
         wanted = lambda section: "all" in include or section in include  # noqa: E731
         total = s.max_total_num_tokens
-        max_running = self.info["max_running_requests"]
+        max_running = self.info.max_running_requests
         load = pb.SchedulerLoad(
             dp_rank=0,
             num_running_reqs=s.num_running,
@@ -259,9 +260,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         )
         if wanted("memory"):
             load.memory.CopyFrom(
-                pb.MemoryMetrics(
-                    weight_gb=self.info["weight_gb"], kv_cache_gb=self.info["kv_cache_gb"], token_capacity=total
-                )
+                pb.MemoryMetrics(weight_gb=self.info.weight_gb, kv_cache_gb=self.info.kv_cache_gb, token_capacity=total)
             )
         if wanted("queues"):
             load.queues.CopyFrom(pb.QueueMetrics(waiting=s.num_waiting))
@@ -356,7 +355,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
     # -- tokenizer -----------------------------------------------------------------------
     async def GetTokenizer(self, request, context):
         await self._require_ready(context)
-        path = self.info.get("tokenizer_path")
+        path = self.info.tokenizer_path
         if not path:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no tokenizer path is configured")
         if self._bundle is None or (self._bundle.done() and self._bundle.exception() is not None):

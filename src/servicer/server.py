@@ -60,9 +60,9 @@ async def warm_up(client: SchedulerClient, timeout: float = 120.0) -> None:
     """One real greedy generation through the whole engine before we say SERVING."""
     queue: asyncio.Queue = asyncio.Queue()
     rid = f"warmup-{time.time_ns()}"
-    context = client.model_info["max_context_length"]
+    context = client.model_info.max_context_length
     # (fits whatever --max-model-len says, and any vocabulary)
-    prompt = [t % client.model_info["vocab_size"] for t in WARMUP_PROMPT[: max(1, context - 2)]]
+    prompt = [t % client.model_info.vocab_size for t in WARMUP_PROMPT[: max(1, context - 2)]]
     max_new = max(1, min(8, context - len(prompt)))
     client.submit(AddRequest(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=max_new)), queue)
 
@@ -158,7 +158,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         # scanned them all on the event loop (70 ms) whenever one came due.
         gc.collect()
         gc.freeze()
-        logger.info("SERVING %s on %s", client.model_info["model_path"], address)
+        logger.info("SERVING %s on %s", client.model_info.model_path, address)
 
         died = asyncio.create_task(client.died.wait())
         stop_wait = asyncio.create_task(stop_requested.wait())
