@@ -45,8 +45,8 @@ def _check_json(kind: str, spec: str):
 
 
 # Compiled grammars are cached (a repeated schema compiles in microseconds), but every
-# tool-calling request may bring its own: unbounded, the cache grew 140-240 KB per schema
-# by xgrammar's count and the process ~1 MiB (a 3,800-schema soak: RSS +585 MiB, still rising).
+# tool-calling request may bring its own: unbounded, the cache and the process grow with
+# every distinct schema (a soak's numbers: docs/performance.md).
 GRAMMAR_CACHE_BYTES = 512 * 2**20  # (as vLLM's default)
 
 

@@ -67,16 +67,17 @@ def _tie_lifetime_to_parent() -> None:
     signal.signal(signal.SIGINT, on_signal)
 
 
-def model_info(engine, config: EngineConfig) -> ModelInfo:
+def model_info(engine) -> ModelInfo:
+    """What the servicer needs to know of the model and the resolved limits (resolve.py)."""
     from .model_source import prepare_tokenizer_dir
 
-    runner = engine.runner
+    runner, rc = engine.runner, engine.config
     mc = runner.model_config
     return ModelInfo(
         model_path=runner.model_path,
         tokenizer_path=prepare_tokenizer_dir(runner.model_path),
-        served_model_name=config.served_model_name or config.model,
-        max_context_length=runner.max_model_len,
+        served_model_name=rc.served_model_name,
+        max_context_length=rc.max_model_len,
         vocab_size=mc.vocab_size,
         eos_token_ids=list(mc.eos_token_ids),
         bos_token_id=mc.bos_token_id if mc.bos_token_id is not None else 0,
@@ -84,14 +85,14 @@ def model_info(engine, config: EngineConfig) -> ModelInfo:
         model_type=mc.model_type,
         architectures=[mc.architecture],
         max_total_num_tokens=engine.kv.capacity_tokens,
-        max_running_requests=runner.max_running_requests,
-        max_queued_requests=config.max_queued_requests,
-        max_logprobs=config.max_logprobs,
-        max_num_batched_tokens=runner.max_num_batched_tokens,
-        long_prefill_token_threshold=engine.scheduler.config.long_prefill_token_threshold,
-        block_size=config.block_size,
-        device=str(runner.device),
-        dtype=str(runner.dtype).removeprefix("torch."),
+        max_running_requests=rc.max_running_requests,
+        max_queued_requests=rc.max_queued_requests,
+        max_logprobs=rc.max_logprobs,
+        max_num_batched_tokens=rc.max_num_batched_tokens,
+        long_prefill_token_threshold=rc.long_prefill_token_threshold,
+        block_size=rc.block_size,
+        device=str(rc.device),
+        dtype=str(rc.dtype).removeprefix("torch."),
         weight_gb=runner.weight_bytes / 2**30,
         kv_cache_gb=runner.kv_cache_bytes / 2**30,
     )
@@ -316,12 +317,12 @@ def main(argv: list[str] | None = None) -> int:
         from .engine import Engine
 
         engine = Engine(config)
-        # What start-up made (model, kernels, imports: ~300k objects) is kept for good: out
-        # of the cyclic GC's sight, as vLLM does, a full collection no longer scans it
-        # (97 ms with SmolLM2, a pause of several steps whenever one came due; 0 after).
+        # What start-up made (model, kernels, imports) is kept for good: out of the cyclic
+        # GC's sight, as vLLM does, a full collection no longer scans it (a pause of several
+        # steps whenever one came due; docs/performance.md).
         gc.collect()
         gc.freeze()
-        send(EngineReady(model_info(engine, config)))
+        send(EngineReady(model_info(engine)))
     except Exception as e:
         # A bad model, flag or device is the operator's to fix: the message says it all.
         expected = isinstance(e, (ValueError, NotImplementedError, OSError))

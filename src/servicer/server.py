@@ -27,8 +27,8 @@ logger = logging.getLogger("servicer")
 
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 256 * 2**20),  # e.g. a long output's logprobs in one GenerateComplete
-    # grpc.aio parses requests on the event loop (~25 ms per MiB): a 256 MiB one stalled
-    # every call, health probes included, for seconds. 16 MiB is millions of prompt tokens.
+    # grpc.aio parses requests on the event loop: a huge one stalls every call, health probes
+    # included, for seconds. 16 MiB is millions of prompt tokens.
     ("grpc.max_receive_message_length", 16 * 2**20),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", True),
@@ -154,8 +154,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
             logger.error("start-up failed: %s", e)
             return 1
         health.warmed_up = True
-        # Start-up's ~200k long-lived objects out of the cyclic GC's sight: a full collection
-        # scanned them all on the event loop (70 ms) whenever one came due.
+        # Start-up's long-lived objects out of the cyclic GC's sight: a full collection would
+        # scan them all on the event loop whenever one came due.
         gc.collect()
         gc.freeze()
         logger.info("SERVING %s on %s", client.model_info.model_path, address)
