@@ -322,7 +322,7 @@ def has_avx512() -> bool:
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``x @ weight.T + bias`` for ``x [M <= 32, K]`` in one pass over the weights, which
-    gemv.c streams faster than torch's GEMM does (kernels/linear.py has numbers)."""
+    gemv.c streams faster than torch's GEMM does (docs/performance.md has numbers)."""
     if (
         x.dim() != 2
         or x.shape[0] > GEMV_MAX_ROWS

@@ -3,10 +3,10 @@
 By default glibc serves allocations over a (dynamic) threshold with mmap and returns freed
 heap tops to the OS. A forward pass allocates the same multi-MB activations every step
 (a 512-token gate/up output is 6 MB, 64 rows of logits 12 MB), so each one comes back as
-fresh pages: thousands of page faults and zeroing per GEMM output. On a 2-core EPYC with
-allocation churn around the model (a torch.profiler run) the 512x576x3072 GEMM took 22 ms
-per call against 14 ms with these settings; in a plain W64 run glibc's dynamic threshold
-mostly adapts by itself and the gain is about 1%, so this is insurance, not a speed-up.
+fresh pages: thousands of page faults and zeroing per GEMM output. With allocation churn
+around the model (a torch.profiler run) that made GEMMs markedly slower; in a plain run
+glibc's dynamic threshold mostly adapts by itself, so this is insurance, not a speed-up
+(docs/performance.md).
 PyTorch's CPU tuning guides reach the same end with jemalloc/tcmalloc via LD_PRELOAD;
 mallopt needs no extra library.
 """

@@ -34,8 +34,8 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", True),
     ("grpc.so_reuseport", 0),  # a second daemon on our port must fail, not split the traffic
     # Calls that reached gRPC but not yet the event loop: past 1000 (its default) gRPC
-    # cancels a growing random share of new ones, with no status of ours (a burst of 3000
-    # calls lost 15%). The scheduler's queue is what bounds waiting work
+    # cancels a growing random share of new ones, with no status of ours (seen in a burst:
+    # docs/performance.md). The scheduler's queue is what bounds waiting work
     # (--max-queued-requests answers RESOURCE_EXHAUSTED, which the router retries).
     ("grpc.server.max_pending_requests", 1 << 16),
     ("grpc.server.max_pending_requests_hard_limit", 1 << 17),
