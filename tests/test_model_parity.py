@@ -3,8 +3,8 @@
 (a) The bundled SmolLM2 GGUF: HF's own GGUF loader vs ours (which must undo llama.cpp's
     q/k permutation), greedy tokens equal and last-position logits within 1e-3; in bf16,
     ours is as close to HF's fp32 as HF's own bf16 is.
-(b) Tiny random Llama / Qwen2 / Qwen3 / Mistral checkpoints written by save_pretrained,
-    loaded through our HF-directory loader.
+(b) Tiny random Llama (llama3 and linear rope scaling) / Qwen2 / Qwen3 / Mistral / Granite
+    checkpoints written by save_pretrained, loaded through our HF-directory loader.
 
 Our model is driven by a test-local loop over the paged cache: all prompts prefilled in
 one batch, then decoded together, one token per step (decodes first, as the engine does).
@@ -235,6 +235,13 @@ FAMILIES = {
                 "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 32,
             },
+        ),
+    ),
+    "llama-linear": (
+        "LlamaConfig",
+        dict(  # linear rope scaling ("position interpolation"): every position divided by the factor
+            tie_word_embeddings=False,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
         ),
     ),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
