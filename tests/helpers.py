@@ -319,6 +319,25 @@ class Daemon(_ManagedProcess):
             time.sleep(0.5)
 
 
+# ---------------------------------------------------------------- waiting for a state
+
+
+def wait_until(predicate, timeout: float, what, interval: float = 0.05):
+    """Poll `predicate()` until it returns something truthy, and return that; past `timeout`
+    seconds, fail naming `what` (a string, or a callable giving one then) and the last value.
+    Tests wait for a state this way, never for a fixed time: a loaded machine only makes the
+    wait longer, so make `timeout` generous."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            name = what() if callable(what) else what
+            raise AssertionError(f"{name}: not reached within {timeout:g} s (last: {value!r})")
+        time.sleep(interval)
+
+
 # ---------------------------------------------------------------- daemon state (gRPC)
 
 
@@ -340,7 +359,7 @@ def kv_state(stub) -> tuple[int, int, int]:
     return info.active_requests + running + waiting, live, load.num_used_tokens
 
 
-def wait_kv_free(stub, timeout: float = 30.0) -> tuple[int, int, int]:
+def wait_kv_free(stub, timeout: float = 60.0) -> tuple[int, int, int]:
     """Poll `kv_state` until nothing is in flight and no KV block is held, (0, 0, 0), or
     `timeout` passes; returns the last state. Only meaningful where no other request can be
     running (the session daemon serves one test at a time)."""

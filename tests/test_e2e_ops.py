@@ -30,7 +30,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from helpers import SCHEDULER_SERVICE, Daemon, Router, _group_members, child_pids, find_executable, http_get
+from helpers import (
+    SCHEDULER_SERVICE,
+    Daemon,
+    Router,
+    _group_members,
+    child_pids,
+    find_executable,
+    http_get,
+    wait_until,
+)
 from test_e2e_grpc import RPC_TIMEOUT, fresh_salt, make_request, one_complete, sched_stat, wait_idle
 
 STORY = [6403, 1980, 253, 655]  # "Once upon a time"
@@ -46,7 +55,7 @@ def complete(stub, input_ids, max_new_tokens=2, **kw):
 
 
 def idle(stub) -> None:
-    assert wait_idle(stub, timeout=20.0) == 0, "the daemon did not go idle"
+    assert wait_idle(stub) == 0, "the daemon did not go idle"
 
 
 def cmdline(pid: int) -> list[str]:
@@ -85,7 +94,7 @@ def router_stored_blocks(router: Router, daemon: Daemon) -> int:
     return int(float(found[0].rsplit(" ", 1)[1])) if found else 0
 
 
-def wait_router_stored(router: Router, daemon: Daemon, at_least: int, timeout: float = 30.0) -> None:
+def wait_router_stored(router: Router, daemon: Daemon, at_least: int, timeout: float = 60.0) -> None:
     """Wait until the router has indexed `at_least` stored blocks of `daemon`: the events
     follow the request's output, so a routing check right after it would race them."""
     deadline = time.monotonic() + timeout
@@ -101,7 +110,8 @@ def test_a_scheduler_that_stops_making_progress_is_killed_by_the_watchdog(tmp_pa
     """SIGSTOP of the scheduler mid-stream: health goes NOT_SERVING once its heartbeats stop
     (2 s), before the watchdog acts; after --watchdog-timeout the daemon kills it, the stream
     ends UNAVAILABLE naming the watchdog, and the daemon exits 1 for its supervisor, leaving
-    no process behind."""
+    no process behind. Only the watchdog's lower bound is timed (a loaded machine can only
+    make it later); its upper bound is the stream's end naming the watchdog."""
     with Daemon(
         max_running_requests=4, kv_cache_tokens=2048, log_dir=tmp_path, extra_args=["--watchdog-timeout", "4"]
     ) as d:
@@ -113,10 +123,10 @@ def test_a_scheduler_that_stops_making_progress_is_killed_by_the_watchdog(tmp_pa
                 make_request(STORY, max_new_tokens=1500, stream=True, ignore_eos=True), timeout=RPC_TIMEOUT
             )
             assert next(call).WhichOneof("response") == "chunk"
+            t_stop = time.monotonic()  # (before the signal: a late reading would shrink `waited`)
             os.kill(sched, signal.SIGSTOP)
-            t_stop = time.monotonic()
             # NOT_SERVING from 2 s without a heartbeat until the daemon, past the watchdog, exits
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 60
             while True:
                 try:
                     status = health.Check(health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=5).status
@@ -124,7 +134,7 @@ def test_a_scheduler_that_stops_making_progress_is_killed_by_the_watchdog(tmp_pa
                     pytest.fail(f"the daemon stopped answering health before it said NOT_SERVING: {e.code()}")
                 if status == health_pb2.HealthCheckResponse.NOT_SERVING:
                     break
-                assert time.monotonic() < deadline, "still SERVING 30 s after the scheduler stopped"
+                assert time.monotonic() < deadline, "still SERVING 60 s after the scheduler stopped"
                 time.sleep(0.1)
             with pytest.raises(grpc.RpcError) as ei:
                 for _ in call:
@@ -137,19 +147,22 @@ def test_a_scheduler_that_stops_making_progress_is_killed_by_the_watchdog(tmp_pa
         # The watchdog counts from the scheduler's last message (up to a heartbeat, 0.25 s,
         # before the SIGSTOP; more on a loaded machine) and looks once a second: it may fire
         # a little under 4 s after t_stop, but never at once.
-        assert 2.5 <= waited < 15, f"the stream ended {waited:.1f} s after the scheduler stopped"
+        print(f"the stream ended {waited:.1f} s after the scheduler stopped")
+        assert waited >= 2.5, f"the stream ended {waited:.1f} s after the scheduler stopped: before the watchdog"
         try:
-            code = d.proc.wait(timeout=15)
+            code = d.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the daemon was still running 15 s after the watchdog fired\n{d.log_tail()}")
+            pytest.fail(f"the daemon was still running 60 s after the watchdog fired\n{d.log_tail()}")
         assert code == 1, d.log_tail()
         assert pid_gone(sched)
 
 
 def test_scheduler_kill9_fails_fast_and_exits_nonzero(tmp_path):
-    """SIGKILL of the scheduler process mid-stream: health says NOT_SERVING (or the server
-    is gone) within 2 s, the in-flight stream ends UNAVAILABLE, the daemon exits non-zero
-    within 15 s, and no process of the daemon's is left (issue 6 §7)."""
+    """SIGKILL of the scheduler process mid-stream: health says NOT_SERVING (or the daemon
+    has exited), the in-flight stream ends UNAVAILABLE, the daemon exits non-zero, and no
+    process of the daemon's is left (issue 6 §7). Fast is checked as state, not time: the
+    stream's status names the scheduler's exit (noticed at once), not a heartbeat timeout
+    or the watchdog; the deadlines only stop a hang."""
     with Daemon(max_running_requests=4, kv_cache_tokens=2048, log_dir=tmp_path) as d:
         sched = scheduler_pid(d.proc.pid)
         with grpc.insecure_channel(d.address) as ch:
@@ -173,47 +186,53 @@ def test_scheduler_kill9_fails_fast_and_exits_nonzero(tmp_path):
 
             reader = threading.Thread(target=drain, daemon=True)
             reader.start()
-            time.sleep(0.3)  # a few more chunks: the request is really decoding
-            assert reader.is_alive(), f"the stream ended before the kill: {outcome}"
+            # a few more chunks: the request is really decoding
+            wait_until(lambda: len(outcome["msgs"]) >= 3 or "ended" in outcome, 60, "two more chunks")
+            assert "ended" not in outcome, f"the stream ended before the kill: {outcome}"
 
             os.kill(sched, signal.SIGKILL)
             t_kill = time.monotonic()
-            seen = {}
-            while len(seen) < 2 and time.monotonic() - t_kill < 2.0:
+            seen = {}  # service -> (seconds after the kill, what said it)
+
+            def not_serving_or_gone() -> bool:
                 for service in ("", SCHEDULER_SERVICE):
                     if service in seen:
                         continue
                     try:
-                        st = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=0.5).status
-                    except grpc.RpcError as e:
-                        seen[service] = (time.monotonic() - t_kill, f"rpc {e.code().name}")
+                        st = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+                    except grpc.RpcError:
+                        # No answer is no verdict (a timeout proves nothing); only the daemon's
+                        # exit makes the server's absence one.
+                        if d.proc.poll() is not None:
+                            seen[service] = (time.monotonic() - t_kill, f"daemon exited {d.proc.returncode}")
                         continue
-                    if st != health_pb2.HealthCheckResponse.SERVING:
-                        seen[service] = (
-                            time.monotonic() - t_kill,
-                            health_pb2.HealthCheckResponse.ServingStatus.Name(st),
-                        )
-                time.sleep(0.05)
-            assert set(seen) == {"", SCHEDULER_SERVICE}, f"still SERVING 2 s after kill -9 of the scheduler: {seen}"
+                    if st == health_pb2.HealthCheckResponse.NOT_SERVING:
+                        seen[service] = (time.monotonic() - t_kill, "NOT_SERVING")
+                    else:
+                        assert st == health_pb2.HealthCheckResponse.SERVING, st
+                return len(seen) == 2
+
+            wait_until(not_serving_or_gone, 60, lambda: f"health NOT_SERVING after kill -9 of the scheduler ({seen})")
             print(f"health after kill -9: {seen}")
 
-            reader.join(15)
-            assert not reader.is_alive(), "the in-flight stream did not end within 15 s of the kill"
+            reader.join(60)
+            assert not reader.is_alive(), "the in-flight stream did not end within 60 s of the kill"
             ended = outcome["ended"]
             assert isinstance(ended, grpc.RpcError), f"the stream ended without an error: {outcome['msgs'][-1]}"
             assert ended.code() == grpc.StatusCode.UNAVAILABLE, (ended.code(), ended.details())
+            assert "exited with code -9" in ended.details(), f"not noticed from the exit: {ended.details()}"
             assert all(m.WhichOneof("response") == "chunk" for m in outcome["msgs"]), "a Complete after the kill"
 
         try:
-            code = d.proc.wait(timeout=15)
+            code = d.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the daemon was still running 15 s after its scheduler died\n{d.log_tail()}")
+            pytest.fail(f"the daemon was still running 60 s after its scheduler died\n{d.log_tail()}")
         assert code != 0, f"the daemon exited 0 after its scheduler was killed\n{d.log_tail()}"
-        deadline = time.monotonic() + 5
-        while _group_members(d.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = _group_members(d.proc.pid)
-        assert not left, f"processes outlived the daemon: {[(p, cmdline(p)) for p in left]}"
+        wait_until(
+            lambda: not _group_members(d.proc.pid),
+            60,
+            lambda: f"no process outliving the daemon (left: {[(p, cmdline(p)) for p in _group_members(d.proc.pid)]})",
+        )
         assert pid_gone(sched)
 
 
