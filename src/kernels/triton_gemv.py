@@ -14,7 +14,7 @@ of ``x`` (at most ``BLOCK_M = 16``, padded for ``tl.dot``) are re-read from cach
 program. With a norm, a first pass over ``x`` takes each row's sum of squares and program 0
 writes the new residual ``x + residual``; the main loop normalises each chunk on the fly.
 
-Rounding follows the torch path (``norm.rms_norm_torch``, ``activation.silu_and_mul``):
+Rounding follows the torch path (``norm.rms_norm``, ``activation.silu_and_mul``):
 ``x + residual`` and the normalised value are rounded to the input dtype before the weight
 multiply, the GEMM output is rounded before the SiLU, the SiLU before the multiply by up.
 Accumulation is fp32.

@@ -16,7 +16,7 @@ Each mirrors a torch reference and returns the same thing:
 - :func:`apply_rotary` (``rotary.apply_rotary``): rotate-half ("neox") RoPE; ``cos``/``sin``
   are ``[T, D/2]`` fp32 rows already gathered by position. Grid ``(T,)`` per tensor: a program
   rotates all heads of one token, loading its cos/sin row once. Math in fp32.
-- :func:`qkv_rope_store` (``attention.qkv_rope_store_torch``): everything between the fused qkv
+- :func:`qkv_rope_store` (``attention.qkv_rope_store``): everything between the fused qkv
   GEMM and attention in one launch: split, Qwen3's per-head q/k RMSNorm (optional), rope on
   q and k, and the KV store; returns q contiguous. Grid ``(T,)``. At batch 1 a layer is
   launch-bound, so one kernel instead of 5-7 matters.
