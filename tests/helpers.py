@@ -585,6 +585,7 @@ def sample_model_info(**fields):
         max_num_batched_tokens=512,
         long_prefill_token_threshold=256,
         block_size=16,
+        enable_prefix_caching=True,
         device="cpu",
         dtype="float32",
         weight_gb=0.1,

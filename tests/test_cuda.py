@@ -97,7 +97,7 @@ def test_greedy_matches_hf(models):
         with torch.no_grad():
             ref = hf.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)[0, len(p) :]
             ref_logits = hf(ids).logits[0, -1].float()
-        ours_logits = eng.runner.model.compute_logits(_last_hidden(eng, p)).float()
+        ours_logits = eng.runner.sampler.lm_head(_last_hidden(eng, p)).float()
         err = ((ours_logits - ref_logits).norm() / ref_logits.norm()).item()
         print(f"{dtype}: prompt {len(p)} tokens, first-step logits rel err {err:.2e}")
         if dtype == torch.float32:
@@ -225,7 +225,7 @@ def test_small_batch_gemv_matches_hf(models):
             assert c.output_ids == ref.tolist()
         else:
             assert c.output_ids[:4] == ref.tolist()[:4]
-    one_row = eng.runner.model.compute_logits(_last_hidden(eng, ps[5])).float()  # 1 token: the fused path
+    one_row = eng.runner.sampler.lm_head(_last_hidden(eng, ps[5])).float()  # 1 token: the fused path
     with torch.no_grad():
         want = hf(torch.tensor([ps[5]], device="cuda")).logits[0, -1].float()
     assert ((one_row - want).norm() / want.norm()).item() < (1e-4 if dtype == torch.float32 else 3e-2)
@@ -246,7 +246,7 @@ def test_pdl_changes_no_bit(models):
             eng = make_engine(loaded, dtype, small_batch_gemv=True, pdl=pdl, cuda_graph=graphs)
             assert eng.runner.backend.pdl == pdl
             outs = [c.output_ids for c in eng.generate(ps, params)]
-            runs.append((outs, eng.runner.model.compute_logits(_last_hidden(eng, ps[5])).float()))
+            runs.append((outs, eng.runner.sampler.lm_head(_last_hidden(eng, ps[5])).float()))
             del eng
             torch.cuda.empty_cache()
         (plain_outs, plain_logits), (pdl_outs, pdl_logits) = runs

@@ -80,14 +80,13 @@ def run_with_server(test, hub=None):
     """Run ``test(client, hub, stub, spb)`` against a fresh in-process server."""
     from types import SimpleNamespace
 
-    from scheduler.config import EngineConfig
     from servicer.generated import common_pb2
     from servicer.generated import sglang_scheduler_pb2_grpc as pb_grpc
     from servicer.scheduler_service import SglangSchedulerService
 
     async def main():
         client = FakeClient()
-        service = SglangSchedulerService(client, SimpleNamespace(shutting_down=False), EngineConfig())
+        service = SglangSchedulerService(client, SimpleNamespace(shutting_down=False))
         if hub is not None:
             service.kv_events = hub
             client.kv_event_listener = hub.publish

@@ -54,7 +54,7 @@ class PagedRunner:
         meta = self.ops.prepare_metadata(qlens, slens, [c[2] for c in chunks])
         hidden = self.model(self.ops, torch.tensor(ids), self.kv, meta)
         last = torch.tensor(qlens).cumsum(0) - 1
-        return self.model.compute_logits(hidden[last]).float()
+        return self.model.compute_logits(self.ops, hidden[last]).float()
 
     def generate(self, prompts: list[list[int]], max_new: int, eos: set[int]):
         """Greedy; returns (new tokens per prompt, prefill last-position logits)."""

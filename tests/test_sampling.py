@@ -38,7 +38,7 @@ def make_req(prompt, outputs=(), rid="r", **sp):
 
 def sampler():
     return BatchSampler(
-        model=None, device=torch.device("cpu"), generator=torch.Generator().manual_seed(0), vocab_size=V
+        lm_head=None, device=torch.device("cpu"), generator=torch.Generator().manual_seed(0), vocab_size=V
     )
 
 
@@ -346,7 +346,7 @@ def sched_like_record(logprobs, sampling):
 
 
 def test_batch_sampler_records_output_and_input_logprobs():
-    s = BatchSampler(FakeModel(), torch.device("cpu"), torch.Generator().manual_seed(0), V)
+    s = BatchSampler(FakeModel().compute_logits, torch.device("cpu"), torch.Generator().manual_seed(0), V)
     prompt = [5, 6, 7, 8]
     req = make_req(
         prompt,
@@ -382,7 +382,7 @@ def test_batch_sampler_records_output_and_input_logprobs():
 
 
 def test_input_logprobs_across_chunks_and_start_len():
-    s = BatchSampler(FakeModel(), torch.device("cpu"), torch.Generator().manual_seed(0), V)
+    s = BatchSampler(FakeModel().compute_logits, torch.device("cpu"), torch.Generator().manual_seed(0), V)
     prompt = list(range(20, 30))
     req = make_req(prompt, rid="c", temperature=0.0, return_logprob=True, logprob_start_len=4)
     hidden = logits_of(10, seed=3)

@@ -141,12 +141,13 @@ def test_speculation_refuses_a_forced_overlap_schedule(loaded):
 
 
 def test_drafts_only_where_the_cost_model_says_they_pay(loaded, monkeypatch):
-    from scheduler.engine import CPU_DOUBLING_ROWS
+    from scheduler.config import DEVICE_DEFAULTS
 
     prompts = [repeated(0), repeated(1)]
     expected = [c.output_ids for c in make_engine(loaded, spec=False).generate(prompts, greedy(16))]
     spec = make_engine(loaded, spec=True)
-    assert spec.scheduler.drafter.doubling_rows == CPU_DOUBLING_ROWS[spec.runner.dtype]
+    expected_rows = DEVICE_DEFAULTS["cpu"].speculative_doubling_rows[str(spec.runner.dtype).removeprefix("torch.")]
+    assert spec.scheduler.drafter.doubling_rows == spec.config.speculative_doubling_rows == expected_rows
     asked = []  # the decode rows of each step a request would have drafted in
     monkeypatch.setattr(spec.scheduler.drafter, "pays", lambda req, rows: asked.append(rows) and False)
     assert [c.output_ids for c in spec.generate(prompts, greedy(16))] == expected

@@ -17,6 +17,7 @@ Adding a backend: a subclass here and its entry in ``BACKENDS``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,8 @@ from torch import nn
 
 from . import activation, attention, cpu_kernels, linear, norm, triton_attention, triton_ops
 from .triton_gemv import SMALL_BATCH_ROWS, small_batch_linear
+
+logger = logging.getLogger(__name__)
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, head_dim / 2]
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -48,11 +51,8 @@ class TorchBackend:
         self.device, self.block_size = device, block_size
 
     def prepare_model(self, model: nn.Module) -> None:
-        """Per-backend weight preparation, once after loading: here, no packed copies (a model
-        shared with another runner may carry some)."""
-        for module in model.modules():
-            if isinstance(module, Projection):
-                module.packed_weight = None
+        """Per-backend weight preparation, once after loading (none here: packed copies another
+        runner may have left on a shared model are not read)."""
 
     def prepare_metadata(
         self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]
@@ -98,12 +98,16 @@ class CpuBackend(TorchBackend):
     def prepare_model(self, model: nn.Module) -> None:
         """A packed copy of every projection and the LM head for decode batches
         (``linear.pack_weight``), or none; another runner sharing the model may have packed it."""
+        packed = 0
         for module in model.modules():
             if isinstance(module, Projection):
                 if self.packed_weights and module.packed_weight is None:
                     module.packed_weight = linear.pack_weight(module.weight)
+                    packed += module.weight.numel() * module.weight.element_size()
                 elif not self.packed_weights:
                     module.packed_weight = None
+        if packed:
+            logger.info("projections packed for CPU batches (+%.2f GiB)", packed / 2**30)
 
     def attention(self, layer, qkv: torch.Tensor, rope: Rope, kv_cache: KVCache, meta) -> torch.Tensor:
         args = (qkv, *_qkv_args(layer, rope, kv_cache, meta))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +24,7 @@ def native_kernels_disabled() -> bool:
 
 
 def profile_dir() -> str:
-    return os.environ.get("SERVICER_PROFILE_DIR") or os.path.join(tempfile.gettempdir(), "servicer-profiles")
+    return os.environ.get("SERVICER_PROFILE_DIR") or "/tmp/servicer-profiles"
 
 
 def profile_max_steps(default: int) -> int:

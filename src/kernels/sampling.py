@@ -28,7 +28,7 @@ kernel takes ``KERNEL_ROUNDS`` per step: seeded tokens differ between a CPU and 
 their logits do anyway), and their rounds only depend on their own logits:
 given the same logits, a seeded request samples the same tokens whatever else shares its
 batch. The model's logits
-themselves can differ in the last bits between batch shapes (~3e-5 measured), so over many
+themselves can differ in the last bits between batch shapes, so over many
 tokens a draw near a boundary can land on a neighbouring token with different company.
 """
 

@@ -355,7 +355,7 @@ def unified_attention(
     g = H // KVH
     if block_m is None and max_query_len is not None and max_query_len * next_pow2(g) >= 64:
         block_m, tile_n = 64, tile_n or max(32, block_size)
-    elif max_query_len == 1:  # measured on an H100: 128-key tiles, 4 warps in every batch size
+    elif max_query_len == 1:  # decode: 128-key tiles, 4 warps (the H100's pick: docs/performance.md)
         tile_n, num_warps = tile_n or 128, num_warps or 4
     g_pad, block_q, bm = tile_shape(H, KVH, block_m)
     tile_n = max(16, next_pow2(tile_n or block_size))

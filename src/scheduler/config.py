@@ -88,7 +88,7 @@ DEVICE_DEFAULTS: dict[str, DeviceDefaults] = {
         max_running_requests=64,
         overlap_schedule=False,
         cuda_graph=False,
-        speculative_doubling_rows={"float32": 128, "bfloat16": 32},  # A/B-chosen: docs/performance.md
+        speculative_doubling_rows={"float32": 128, "bfloat16": 32, "float16": 32},  # A/B-chosen: docs/performance.md
     ),
     "cuda": DeviceDefaults(
         dtype="bfloat16",

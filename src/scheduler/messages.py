@@ -227,6 +227,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     max_num_batched_tokens: int
     long_prefill_token_threshold: int  # 0: off
     block_size: int
+    enable_prefix_caching: bool
     device: str  # e.g. "cpu", "cuda:0"
     dtype: str  # e.g. "float32", "bfloat16"
     weight_gb: float  # GiB

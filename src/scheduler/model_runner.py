@@ -8,6 +8,7 @@ go through the LM head.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from .device import cpu_has_bf16, resolve_device, resolve_dtype, synchronize
 from .model_config import ModelConfig
 from .model_source import resolve_model
 from .models import build_model
-from .resolve import resolve
+from .resolve import Platform, resolve, resolve_platform
 from .sampling_batch import BatchSampler, StepLogprobs
 from .scheduler import ScheduledBatch
 from .transfer import DeviceToHost, Download, HostToDevice
@@ -39,7 +40,7 @@ def warmup_batches(max_batch: int, num_kv_heads: int, num_sms: int) -> list[list
 
     Triton compiles a kernel again for every new combination of constexprs and argument
     specialisations (an int equal to 1 or divisible by 16, a pointer's 16-byte alignment),
-    at ~0.1-1 s a compile. The per-step values are kept out of the specialisation
+    and a compile takes far longer than a step. The per-step values are kept out of the specialisation
     (``do_not_specialize``, aligned metadata), which leaves the attention's configuration as
     the only thing that changes with the step: its decode split factor (one per distinct
     :func:`decode_splits` value up to ``max_batch``), short query chunks and long ones."""
@@ -105,21 +106,30 @@ def load_model(config: EngineConfig) -> LoadedModel:
     return LoadedModel(path, model_config, model)
 
 
+def _configure_cpu(platform: Platform) -> None:
+    torch.set_num_threads(platform.num_threads)
+    torch.set_flush_denormal(True)  # denormal activations slow x86 math by orders of magnitude
+    keep_freed_memory()  # no page faults on every step's activations (cpu_malloc.py)
+    if platform.dtype == torch.bfloat16 and not cpu_has_bf16():
+        logger.warning("this CPU has no bf16 instructions: torch emulates them, and bfloat16 runs slower than float32")
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         """``loaded`` lets several runners (e.g. tests with different KV sizes) share weights.
         ``self.config`` is the resolved config (resolve.py), decided once the weights are in."""
+        platform = resolve_platform(config)  # (a wrong name fails before the weights load)
+        if platform.device.type == "cpu":
+            _configure_cpu(platform)
+        torch.manual_seed(config.seed)
         loaded = loaded or load_model(config)
         self.model_path, self.model_config, self.model = loaded.path, loaded.config, loaded.model
-        self.config = resolve(config, self.model_config, self.weight_bytes)
-        self.config.log()
-        rc = self.config
+        packed = self.model.lm_head.packed_weight is not None  # (by an earlier runner sharing the model)
+        self.config = rc = resolve(config, self.model_config, self.weight_bytes, packed, platform)
+        rc.log()
         self.device, self.dtype, self.block_size = rc.device, rc.dtype, rc.block_size
         self.max_model_len, self.num_cache_blocks = rc.max_model_len, rc.num_kv_blocks
         self.max_running_requests, self.max_num_batched_tokens = rc.max_running_requests, rc.max_num_batched_tokens
-        if self.device.type == "cpu":
-            self._configure_cpu()
-        torch.manual_seed(rc.seed)
         self._allocate_kv_cache()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(rc.seed)
@@ -139,24 +149,15 @@ class ModelRunner:
             upload=self.upload,
         )
         self.backend.prepare_model(self.model)
-        fused_sampling = rc.kernel_backend == "triton" and self.device.type == "cuda"
+        lm_head = functools.partial(self.model.compute_logits, self.backend)
         self.sampler = BatchSampler(
-            self.model, self.device, self.generator, self.model_config.vocab_size, self.upload, triton=fused_sampling
+            lm_head, self.device, self.generator, self.model_config.vocab_size, self.upload, rc.fused_sampling
         )
         self.graphs = None
-        if rc.kernel_backend == "triton" and self.device.type == "cuda":
+        if rc.compile_kernels:
             self.compile_kernels()
-            if rc.cuda_graph:
-                self._capture_graphs()
-
-    def _configure_cpu(self) -> None:
-        torch.set_num_threads(self.config.num_threads)
-        torch.set_flush_denormal(True)  # denormal activations slow x86 math by orders of magnitude
-        keep_freed_memory()  # no page faults on every step's activations (cpu_malloc.py)
-        if self.dtype == torch.bfloat16 and not cpu_has_bf16():
-            logger.warning(
-                "this CPU has no bf16 instructions: torch emulates them, and bfloat16 runs slower than float32 here"
-            )
+        if rc.cuda_graph:
+            self._capture_graphs()
 
     def _capture_graphs(self) -> None:
         from .cuda_graphs import DecodeGraphs

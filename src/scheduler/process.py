@@ -91,6 +91,7 @@ def model_info(engine) -> ModelInfo:
         max_num_batched_tokens=rc.max_num_batched_tokens,
         long_prefill_token_threshold=rc.long_prefill_token_threshold,
         block_size=rc.block_size,
+        enable_prefix_caching=rc.enable_prefix_caching,
         device=str(rc.device),
         dtype=str(rc.dtype).removeprefix("torch."),
         weight_gb=runner.weight_bytes / 2**30,

@@ -8,11 +8,11 @@ viewable in Perfetto or chrome://tracing) into the output directory. Every failu
 (ok=False, message) answer, never an exception out of the scheduler loop.
 
 Why two halves: ``profile.stop()`` builds the trace in C++ holding the GIL (heartbeats
-stop too), so it runs on the loop; its cost, from ~0.1 s per profiled second (CPU
-activity only) to ~3 s (stacks, shapes and memory), is bounded by the step cap.
-Serialising and compressing it (tens of seconds for a large trace, mostly without the
-GIL) runs in a :class:`TraceWrite` thread while the loop keeps serving; StopProfile's
-reply waits for that thread, not the loop.
+stop too), so it runs on the loop; its cost, which grows with the profiled time and far
+more with stacks, shapes and memory, is bounded by the step cap. Serialising and
+compressing it (the longer part for a large trace, mostly without the GIL) runs in a
+:class:`TraceWrite` thread while the loop keeps serving; StopProfile's reply waits for that
+thread, not the loop.
 """
 
 from __future__ import annotations

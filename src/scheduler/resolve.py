@@ -31,17 +31,29 @@ PACKED_WEIGHTS_MAX_SHARE = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
+class Platform:
+    """What is decided before the weights load: where, in what dtype, with which kernels."""
+
+    device: torch.device
+    dtype: torch.dtype
+    kernel_backend: str  # a name of kernels.backend.BACKENDS
+    num_threads: int  # torch intra-op threads (CPU)
+
+
+@dataclasses.dataclass(frozen=True)
 class ResolvedConfig:
     """Every engine option decided for this device, dtype and model."""
 
     device: torch.device
     dtype: torch.dtype
-    kernel_backend: str  # torch | cpu | triton
+    kernel_backend: str  # a name of kernels.backend.BACKENDS
+    fused_sampling: bool  # the Triton samplers (the Triton backend on CUDA)
+    compile_kernels: bool  # every Triton kernel variant launched once at start-up (CUDA)
     small_batch_gemv: bool
     pdl: bool
     cuda_graph: bool
     cpu_packed_weights: bool
-    num_threads: int  # torch intra-op threads (CPU)
+    num_threads: int
     block_size: int
     num_kv_blocks: int  # the null block included
     max_model_len: int
@@ -71,13 +83,25 @@ class ResolvedConfig:
         logger.info("engine config: %s", ", ".join(f"{k}={v}" for k, v in fields.items()))
 
 
-def resolve(config: EngineConfig, model: ModelConfig, weight_bytes: int) -> ResolvedConfig:
-    """Decide every option (after the weights are loaded: the KV cache takes what memory they
-    leave); raises ValueError for a combination that cannot run here."""
+def resolve_platform(config: EngineConfig) -> Platform:
+    """The device, dtype and kernel backend, checked before any weight is read (a wrong name
+    fails start-up at once); raises ValueError."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    defaults = DEVICE_DEFAULTS.get(device.type, DEVICE_DEFAULTS["npu"])
-    backend = _kernel_backend(config, device, defaults)
+    backend = _kernel_backend(config, device, _defaults(device))
+    _speculative_algorithm(config)
+    return Platform(device, dtype, backend, config.num_threads or os.cpu_count() or 1)
+
+
+def resolve(
+    config: EngineConfig, model: ModelConfig, weight_bytes: int, packed: bool = False, platform: Platform | None = None
+) -> ResolvedConfig:
+    """Decide every option (after the weights are loaded: the KV cache takes what memory they
+    leave); raises ValueError for a combination that cannot run here. ``packed``: the model
+    already carries packed CPU weights (shared with an earlier runner), kept unless refused."""
+    platform = platform or resolve_platform(config)
+    device, dtype, backend = platform.device, platform.dtype, platform.kernel_backend
+    defaults = _defaults(device)
     max_model_len = _context_limit(config.max_model_len, model)
     num_kv_blocks = _num_kv_blocks(config, device, dtype, model, defaults)
     running = config.max_running_requests or defaults.max_running_requests
@@ -90,11 +114,13 @@ def resolve(config: EngineConfig, model: ModelConfig, weight_bytes: int) -> Reso
         device=device,
         dtype=dtype,
         kernel_backend=backend,
+        fused_sampling=backend == "triton" and device.type == "cuda",
+        compile_kernels=backend == "triton" and device.type == "cuda",
         small_batch_gemv=_small_batch_gemv(config, backend),
         pdl=_pdl(config, device, backend),
         cuda_graph=cuda_graph,
-        cpu_packed_weights=_cpu_packed_weights(config, device, dtype, weight_bytes, kv_bytes),
-        num_threads=config.num_threads or _cpu_count(),
+        cpu_packed_weights=backend == "cpu" and _cpu_packed_weights(config, dtype, weight_bytes, kv_bytes, packed),
+        num_threads=platform.num_threads,
         block_size=config.block_size,
         num_kv_blocks=num_kv_blocks,
         max_model_len=max_model_len,
@@ -126,8 +152,8 @@ def resolve(config: EngineConfig, model: ModelConfig, weight_bytes: int) -> Reso
     return resolved
 
 
-def _cpu_count() -> int:
-    return os.cpu_count() or 1
+def _defaults(device: torch.device) -> DeviceDefaults:
+    return DEVICE_DEFAULTS.get(device.type, DEVICE_DEFAULTS["npu"])  # (other accelerators: as NPUs)
 
 
 def _kernel_backend(config: EngineConfig, device: torch.device, defaults: DeviceDefaults) -> str:
@@ -244,15 +270,17 @@ def _num_kv_blocks(
 
 
 def _cpu_packed_weights(
-    config: EngineConfig, device: torch.device, dtype: torch.dtype, weight_bytes: int, kv_bytes: int
+    config: EngineConfig, dtype: torch.dtype, weight_bytes: int, kv_bytes: int, packed: bool
 ) -> bool:
     """A packed copy of the projections speeds up CPU batches of a few dozen rows
     (kernels/linear.py) at the cost of the weights' memory again."""
-    if device.type != "cpu" or not can_pack(dtype) or (dtype == torch.bfloat16 and not cpu_has_bf16()):
+    if not can_pack(dtype) or (dtype == torch.bfloat16 and not cpu_has_bf16()):
         return False  # (oneDNN would emulate bf16)
     if config.cpu_packed_weights is not None:
         return config.cpu_packed_weights
-    free = free_memory_bytes(device)
+    if packed:  # (the memory rule was applied when they were made)
+        return True
+    free = free_memory_bytes(torch.device("cpu"))
     available = None if free is None else free - kv_bytes
     if available is not None and weight_bytes <= PACKED_WEIGHTS_MAX_SHARE * available:
         return True

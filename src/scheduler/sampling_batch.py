@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from kernels.sampling import Penalties, SamplingTensors, argmax_rows, sample, token_logprobs
-from kernels.triton_attention import triton_available
 
 from .request import Request
 from .transfer import HostToDevice
@@ -83,14 +82,16 @@ def _state(req: Request) -> _SamplerState:
 class BatchSampler:
     def __init__(
         self,
-        model,
+        lm_head,
         device: torch.device,
         generator: torch.Generator,
         vocab_size: int,
         upload=None,
-        triton: bool | None = None,
+        fused_sampling: bool = False,
     ):
-        self.model = model
+        """``lm_head``: hidden rows ``[N, hidden]`` -> logits ``[N, vocab]`` (the model's, through
+        the runner's kernel backend)."""
+        self.lm_head = lm_head
         self.device = device
         self.upload = upload or HostToDevice(device)  # host arrays -> device, never waiting for the GPU
         self.generator = generator
@@ -98,8 +99,8 @@ class BatchSampler:
         # Temperature-only batches on GPUs: one fused Gumbel-max pass (kernels.triton_sampling);
         # the others (top-k/p, min-p, seeds) by rejection in one Triton launch that never
         # makes the host wait (kernels.triton_filtered_sampling), so they keep the overlap.
-        # (``triton``: the runner's choice, None: on CUDA when Triton is installed)
-        self.fused_sampling = triton if triton is not None else device.type == "cuda" and triton_available()
+        # (resolve.py decides: the Triton backend on CUDA)
+        self.fused_sampling = fused_sampling
         self.seeds = torch.Generator().manual_seed(generator.initial_seed())  # per-step kernel seeds, on the host
 
     def compile_kernels(self, hidden: torch.Tensor) -> None:
@@ -107,7 +108,7 @@ class BatchSampler:
         if self.fused_sampling:
             from kernels.triton_sampling import gumbel_sample
 
-            gumbel_sample(self.model.compute_logits(hidden[:1]), torch.ones(1, device=self.device), 0)
+            gumbel_sample(self.lm_head(hidden[:1]), torch.ones(1, device=self.device), 0)
             params = SamplingTensors.build(
                 [1.0],
                 [0.9],
@@ -118,7 +119,7 @@ class BatchSampler:
                 upload=self.upload,
                 kernel_generator=self.generator,
             )
-            sample(self.model.compute_logits(hidden[:1]).float(), params)
+            sample(self.lm_head(hidden[:1]).float(), params)
 
     @staticmethod
     def needs_host_tokens(req: Request) -> bool:
@@ -153,7 +154,7 @@ class BatchSampler:
             rows = hidden
         else:
             rows = hidden[self.upload(np.asarray(sample_rows, dtype=np.int64))]
-        logits = self.model.compute_logits(rows)
+        logits = self.lm_head(rows)
         lp_rows = [i for i, r in enumerate(sampling) if r.output_logprobs is not None]
         lp_values = logits[lp_rows].float().log_softmax(dim=-1) if lp_rows else None
         params = self.build(sampling)
@@ -315,7 +316,7 @@ class BatchSampler:
             part = slice(s, s + INPUT_LOGPROB_SLICE)
             reqs = owners[part]
             idx = torch.tensor(rows[part], device=self.device)
-            logprobs = self.model.compute_logits(hidden[idx]).float().log_softmax(dim=-1)
+            logprobs = self.lm_head(hidden[idx]).float().log_softmax(dim=-1)
             target_ids = torch.tensor(targets[part], device=self.device)
             out.extend(zip(reqs, self._logprob_rows(reqs, logprobs, target_ids)))
         return out

@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16", "float16"],
         help=f"weight and KV dtype: auto ({describe_default('dtype')}), "
         "float32, bfloat16 or float16; bfloat16 also suits CPUs with bf16 instructions "
-        "(AVX512-BF16, AMX), where it runs about twice as fast as float32",
+        "(AVX512-BF16, AMX), where it runs faster than float32 (docs/performance.md)",
     )
     p.add_argument(
         "--max-running-requests",

@@ -39,9 +39,9 @@ from .generated import common_pb2
 logger = logging.getLogger(__name__)
 
 HISTORY_BATCHES = 1024  # batches kept for replay ...
-# ... and at most this many blocks in them (stored blocks and removed hashes): a stored
-# block is ~220 bytes (~14 MB in all), and a prefill step at the GPU's 8192-token budget
-# publishes 512 of them (1024 such steps held ~115 MB).
+# ... and at most this many blocks in them (stored blocks and removed hashes): a GPU's
+# prefill step publishes hundreds of blocks, so a bound in batches alone would let the
+# history grow large (sizes: docs/performance.md).
 HISTORY_BLOCKS = 65536
 SUBSCRIBER_QUEUE = 1024  # batches (or HISTORY_BLOCKS blocks) a subscriber may lag behind before it is dropped
 LOAD_CHECK_S = 0.1  # how often an idle stream looks for a load change

@@ -14,7 +14,6 @@ import grpc
 import msgspec
 from google.protobuf import struct_pb2, timestamp_pb2
 
-from scheduler.config import EngineConfig
 from scheduler.messages import CONSTRAINT_FAILED, ModelInfo
 
 from .generate_responses import GenerateResponses
@@ -47,10 +46,11 @@ def _struct(values: dict) -> struct_pb2.Struct:
 
 
 class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
-    def __init__(self, client: SchedulerClient, health: HealthState, config: EngineConfig):
+    def __init__(self, client: SchedulerClient, health: HealthState):
+        """What the engine runs with comes from the scheduler (``client.model_info``, resolved
+        there), never from the command line's EngineConfig."""
         self.client = client
         self.health = health
-        self.config = config
         self.start_time = time.time()
         self.last_receive_time = 0.0
         self.children: dict[str, list[str]] = {}  # parent request id -> scheduler request ids
@@ -210,7 +210,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             "is_embedding": False,
             "vocab_size": i.vocab_size,
             "disaggregation_mode": "null",
-            "enable_prefix_caching": self.config.enable_prefix_caching,
+            "enable_prefix_caching": i.enable_prefix_caching,
         }
 
     async def GetServerInfo(self, request, context):

@@ -117,7 +117,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
     """Run the daemon until SIGTERM/SIGINT (exit 0) or scheduler failure (exit 1)."""
     client = SchedulerClient(engine_config, server_config.log_level)
     health = HealthState(client)
-    service = SglangSchedulerService(client, health, engine_config)
+    service = SglangSchedulerService(client, health)
 
     server = _build_server(service, HealthServicer(health))
     address = _bind(server, server_config.host, server_config.port)

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from kernels.backend import KVCache, Projection, TorchBackend
-from kernels.linear import linear
 from kernels.rotary import rope_cos_sin
 
 from ..model_config import ModelConfig
@@ -143,10 +142,9 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.model.norm(ops, x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head over only the rows that sample: ``[N, hidden] -> [N, vocab]``; ``kernels.linear``
-        takes the CPU's faster forms (and a backend's packed weight) there, F.linear elsewhere."""
-        return linear(hidden, self.lm_head.weight, packed=self.lm_head.packed_weight)
+    def compute_logits(self, ops: TorchBackend, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head over only the rows that sample: ``[N, hidden] -> [N, vocab]``."""
+        return ops.project(hidden, self.lm_head)
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
