@@ -24,7 +24,7 @@ import tempfile
 
 import torch
 
-from . import envs
+from . import envs, owned_cache
 
 logger = logging.getLogger(__name__)
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
@@ -63,32 +63,24 @@ def load_library(name: str, dtype: torch.dtype = torch.float32) -> ctypes.CDLL |
         for path in [src, *sorted(glob.glob(os.path.join(CSRC, "*.h")))]:
             with open(path, "rb") as f:
                 digest.update(f.read())
-        lib_path = os.path.join(_cache_dir(), f"{name}-{SUFFIX[dtype]}-{digest.hexdigest()[:16]}.so")
-        if not os.path.exists(lib_path):
+        lib_path = os.path.join(
+            owned_cache.cache_dir("kernels"), f"{name}-{SUFFIX[dtype]}-{digest.hexdigest()[:16]}.so"
+        )
+        if not owned_cache.is_owned_file(lib_path):  # missing, or others may have written it: build
+            if os.path.lexists(lib_path):
+                logger.warning("%s is not owned and writable by this user alone: building it again", lib_path)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(lib_path))
             os.close(fd)
             subprocess.run([compiler, *flags, src, "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
             os.replace(tmp, lib_path)  # atomic: concurrent builders never see half a file
+        if not owned_cache.is_owned_file(lib_path):  # loading runs its code in this process
+            raise owned_cache.UntrustedPath(f"{lib_path} is not a file owned and writable by this user alone")
         return ctypes.CDLL(lib_path)
     except (subprocess.CalledProcessError, OSError) as e:
         logger.warning("cannot build %s (%s): using the torch path", name, getattr(e, "stderr", None) or e)
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         return None
-
-
-def _cache_dir() -> str:
-    """Where compiled kernels live: the user cache, or a temp dir where that is read-only."""
-    cache = os.path.join(envs.cache_home(), "servicer", "kernels")
-    try:
-        os.makedirs(cache, exist_ok=True)
-        if os.access(cache, os.W_OK):
-            return cache
-    except OSError:
-        pass
-    fallback = os.path.join(tempfile.gettempdir(), f"servicer-kernels-{os.getuid()}")
-    os.makedirs(fallback, exist_ok=True)
-    return fallback
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

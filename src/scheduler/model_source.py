@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import time
 
-from kernels import envs
+from kernels import owned_cache
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +53,6 @@ def resolve_model(model: str) -> str:
     raise FileNotFoundError(
         f"--model {model!r}: expected 'smollm2', a .gguf file or an HF model directory (with config.json)"
     )
-
-
-def _cache_roots() -> list[str]:
-    """The user cache, then a temp dir (for a read-only home, e.g. a locked-down pod)."""
-    base = envs.cache_home()
-    return [
-        os.path.join(base, "servicer", "tokenizers"),
-        os.path.join(tempfile.gettempdir(), f"servicer-tokenizers-{os.getuid()}"),
-    ]
 
 
 SOURCE_RECORD = "servicer-source.json"  # in each cache entry: the GGUF it was converted from
@@ -171,22 +162,15 @@ def prepare_tokenizer_dir(model_path: str) -> str:
             return model_path
         raise FileNotFoundError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {model_path}")
     name = _gguf_tokenizer_name(model_path)
-    for root in _cache_roots():
-        if os.path.isfile(os.path.join(root, name, "tokenizer.json")):
-            try:
-                os.utime(os.path.join(root, name))  # in use: not to be pruned
-            except OSError:
-                pass
-            return os.path.join(root, name)
-    for root in _cache_roots():
+    # Only the daemon's own cache: its entries choose the chat template the router applies.
+    root = owned_cache.cache_dir("tokenizers")
+    if os.path.isfile(os.path.join(root, name, "tokenizer.json")):
         try:
-            os.makedirs(root, exist_ok=True)
-            tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
-            break
-        except OSError as e:
-            logger.warning("cannot write the tokenizer cache %s (%s)", root, e)
-    else:
-        raise OSError("no writable directory for the GGUF's converted tokenizer")
+            os.utime(os.path.join(root, name))  # in use: not to be pruned
+        except OSError:
+            pass
+        return os.path.join(root, name)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
     final = os.path.join(root, name)
     try:
         logger.info("converting the tokenizer of %s into %s", model_path, final)
