@@ -1,23 +1,31 @@
-"""What the daemon loads from its caches was written by its own user alone: a compiled
-kernel or a converted tokenizer planted in a shared temp path, or in a cache directory
-others may write, is never used."""
+"""What the daemon loads from its caches was written by its own user alone, and GetTokenizer
+ships only the model's own files: a compiled kernel or a converted tokenizer planted in a
+shared temp path, or in a cache directory others may write, is never used; a tokenizer
+file linked to something outside the model's directory is never shipped."""
 
 from __future__ import annotations
 
 import glob
 import hashlib
+import io
 import os
 import shutil
 import subprocess
 import sys
+import zipfile
 
+import grpc
 import pytest
 import torch
+import transformers
 
-from helpers import SRC_DIR
+from helpers import SRC_DIR, Daemon, scheduler_stub
 from kernels import cpu_kernels, owned_cache
 from scheduler import model_source
-from scheduler.model_source import prepare_tokenizer_dir
+from scheduler.model_source import TOKENIZER_FILES, prepare_tokenizer_dir, resolve_model
+from servicer import tokenizer_bundle
+from servicer.tokenizer_bundle import build_bundle
+from test_model_parity import COMMON
 
 PLANTED_C = r"""
 #include <stdio.h>
@@ -178,3 +186,100 @@ def test_a_tokenizer_cache_others_may_write_is_not_used(tmp_path, monkeypatch, g
     entry = prepare_tokenizer_dir(gguf)
     assert entry != planted and not entry.startswith(str(root))
     assert_converted(entry)
+
+
+# ------------------------------------------------------------------ GetTokenizer
+
+
+SECRET = "root:secret-hash:19000:0:99999:7:::"
+
+
+@pytest.fixture
+def outside_secret(tmp_path):
+    path = tmp_path / "outside" / "shadow"
+    path.parent.mkdir()
+    path.write_text(SECRET)
+    return path
+
+
+def hf_tokenizer_dir(path):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.json").write_text('{"model": {}}')
+    (path / "tokenizer_config.json").write_text("{}")
+    return path
+
+
+def zip_names(data: bytes) -> list[str]:
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        return zf.namelist()
+
+
+def test_a_link_out_of_the_model_directory_is_not_shipped(tmp_path, outside_secret):
+    d = hf_tokenizer_dir(tmp_path / "model")
+    (d / "secret.model").symlink_to(outside_secret)
+    with pytest.raises(ValueError) as refused:
+        build_bundle(str(d))
+    assert isinstance(refused.value, tokenizer_bundle.UnshippableFile)
+    (d / "secret.model").unlink()
+    (d / "chat_template.jinja").symlink_to(tmp_path / "outside")  # a link to a directory: not a file
+    (d / "merges.txt").symlink_to(d / "tokenizer.json")  # a link inside: fine
+    data, _ = build_bundle(str(d))
+    assert sorted(zip_names(data)) == ["merges.txt", "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_an_hf_cache_snapshot_ships_its_blobs(tmp_path, outside_secret):
+    """``snapshots/<rev>/<file> -> ../../blobs/<hash>``: the repository's own blobs ship;
+    a link out of the repository does not."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "aaaa").write_text('{"model": {}}')
+    (repo / "blobs" / "bbbb").write_text("{}")
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "tokenizer.json").symlink_to("../../blobs/aaaa")
+    (snapshot / "tokenizer_config.json").symlink_to("../../blobs/bbbb")
+    data, sha256 = build_bundle(str(snapshot))
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        assert zf.read("tokenizer.json") == b'{"model": {}}'
+    assert build_bundle(str(snapshot))[1] == sha256, "the same files make the same bundle"
+    (snapshot / "tokenizer.model").symlink_to(outside_secret)
+    with pytest.raises(ValueError):
+        build_bundle(str(snapshot))
+
+
+def test_a_file_over_the_size_cap_is_not_shipped(tmp_path, monkeypatch):
+    d = hf_tokenizer_dir(tmp_path / "model")
+    monkeypatch.setattr(tokenizer_bundle, "MAX_FILE_BYTES", 8, raising=False)
+    with pytest.raises(ValueError):
+        build_bundle(str(d))
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint_with_a_link_out(tmp_path_factory):
+    """A random 2-layer Llama checkpoint with SmolLM2's tokenizer files and a
+    ``secret.model`` linked to a file outside its directory."""
+    path = tmp_path_factory.mktemp("tiny-llama-link")
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**COMMON), dtype=torch.float32)
+    hf.save_pretrained(path)
+    tokenizer_dir = prepare_tokenizer_dir(resolve_model("smollm2"))
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(tokenizer_dir, name)):
+            shutil.copy(os.path.join(tokenizer_dir, name), path / name)
+    secret = tmp_path_factory.mktemp("outside") / "shadow"
+    secret.write_text(SECRET)
+    (path / "secret.model").symlink_to(secret)
+    return path, secret
+
+
+def test_get_tokenizer_of_a_daemon_refuses_a_link_out(tiny_checkpoint_with_a_link_out, tmp_path):
+    from smg_grpc_proto.generated import common_pb2
+
+    path, secret = tiny_checkpoint_with_a_link_out
+    with Daemon(model=str(path), kv_cache_tokens=2048, log_dir=tmp_path) as d, scheduler_stub(d.address) as stub:
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=120))
+        log = d.log_path.read_text()
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value
+    assert str(secret) not in refused.value.details() and str(path) not in refused.value.details()
+    assert str(path / "secret.model") in log, "the daemon's log should name the file"

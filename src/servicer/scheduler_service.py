@@ -24,7 +24,7 @@ from .health import HealthState
 from .kv_events import KvEventHub
 from .request_conversion import MAX_SEED, InvalidRequest, to_add_request
 from .scheduler_client import SchedulerClient, SchedulerUnavailable
-from .tokenizer_bundle import build_bundle, chunks
+from .tokenizer_bundle import UnshippableFile, build_bundle, chunks
 
 logger = logging.getLogger(__name__)
 try:
@@ -362,8 +362,18 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             self._bundle = asyncio.ensure_future(asyncio.to_thread(build_bundle, path))
         try:
             data, sha256 = await asyncio.shield(self._bundle)
+        except UnshippableFile as e:
+            logger.error("GetTokenizer refused: %s", e)  # the path is for the operator, not the caller
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "a tokenizer file lies outside the model directory, is not a regular file or is too large "
+                "to ship (the daemon's log names it)",
+            )
         except Exception as e:
-            await context.abort(grpc.StatusCode.INTERNAL, f"cannot build the tokenizer bundle: {e}")
+            logger.error("cannot build the tokenizer bundle: %s", e)
+            await context.abort(
+                grpc.StatusCode.INTERNAL, "cannot build the tokenizer bundle (the daemon's log says why)"
+            )
         parts = list(chunks(data))
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
