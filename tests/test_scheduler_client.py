@@ -6,11 +6,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from scheduler.config import EngineConfig
-from scheduler.messages import Heartbeat, KvEvents, LoadSnapshot, StepOutput, from_scheduler_encoder
+from scheduler.messages import (
+    Heartbeat,
+    KvEvents,
+    LoadSnapshot,
+    RequestOutput,
+    StepOutput,
+    from_scheduler_encoder,
+)
 from servicer.scheduler_client import SchedulerClient, _Route
 
 
@@ -70,16 +78,39 @@ def test_a_trailing_heartbeat_never_brings_back_an_older_load():
     asyncio.run(scenario())
 
 
-def test_an_unreadable_message_marks_the_scheduler_dead_at_once():
+def test_a_failure_in_the_read_loop_marks_the_scheduler_dead_at_once():
     """A failure in the read loop must not leave every request waiting for the watchdog."""
+
+    def broken_dispatch(msg):
+        raise RuntimeError("a bug in dispatch")
 
     async def scenario():
         async with _reading_client() as (client, scheduler):
             waiter = asyncio.Queue()
             client._routes["r1"] = _Route(waiter)  # (not ready: submit would refuse)
-            await scheduler.send(b"not msgspec")
+            client._dispatch = broken_dispatch
+            await scheduler.send(from_scheduler_encoder.encode(StepOutput([])))
             error = await asyncio.wait_for(waiter.get(), 5)
             assert client.died.is_set() and "could not read the scheduler's messages" in str(error), error
+
+    asyncio.run(scenario())
+
+
+def test_a_malformed_frame_is_dropped_and_the_requests_go_on():
+    """Any process of our user can push a frame into the servicer's socket: one that is not
+    msgpack, or msgpack of another shape, is dropped with a warning, and the outputs after it
+    still reach their request."""
+
+    async def scenario():
+        async with _reading_client() as (client, scheduler):
+            waiter = asyncio.Queue()
+            client._routes["r1"] = _Route(waiter)
+            for frame in (b"not msgspec", b"\xc1", msgspec.msgpack.encode({"type": "StepOutput", "outputs": 7})):
+                await scheduler.send(frame)
+            out = RequestOutput("r1", [5], 3, 0, 1, finish_reason="length")
+            await scheduler.send(from_scheduler_encoder.encode(StepOutput([out])))
+            assert await asyncio.wait_for(waiter.get(), 5) == out
+            assert client.malformed.dropped == 3 and not client.died.is_set()
 
     asyncio.run(scenario())
 

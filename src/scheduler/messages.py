@@ -11,6 +11,8 @@ Kept free of torch imports: the servicer process imports this module too.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import msgspec
@@ -286,3 +288,41 @@ to_scheduler_encoder = msgspec.msgpack.Encoder()
 to_scheduler_decoder = msgspec.msgpack.Decoder(ToScheduler)
 from_scheduler_encoder = msgspec.msgpack.Encoder()
 from_scheduler_decoder = msgspec.msgpack.Decoder(FromScheduler)
+
+
+class MalformedFrames:
+    """Drops the frames a decoder refused (not msgpack, or not one of the expected messages):
+    any process of our user can push one into the IPC sockets, and it must not take down the
+    process that reads it. One warning per frame, up to a burst of ``burst`` lines refilled at
+    ``per_s`` lines a second: a flood of garbage cannot flood the log, and the next warning
+    counts the frames dropped without one."""
+
+    def __init__(self, logger: logging.Logger, reader: str, burst: int = 10, per_s: float = 1.0):
+        self.logger = logger
+        self.reader = reader
+        self.burst = burst
+        self.per_s = per_s
+        self.tokens = float(burst)
+        self.refilled = time.monotonic()
+        self.dropped = 0  # in all
+        self.unlogged = 0  # dropped without a warning since the last one
+
+    def drop(self, frame: bytes | memoryview, error: Exception) -> None:
+        self.dropped += 1
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.refilled) * self.per_s)
+        self.refilled = now
+        if self.tokens < 1:
+            self.unlogged += 1
+            return
+        self.tokens -= 1
+        also = f" (and {self.unlogged} more without a warning)" if self.unlogged else ""
+        self.logger.warning(
+            "%s dropped a malformed frame of %d bytes%s, %d in all: %s",
+            self.reader,
+            len(frame),
+            also,
+            self.dropped,
+            error,
+        )
+        self.unlogged = 0

@@ -39,6 +39,7 @@ from .messages import (
     EngineReady,
     Heartbeat,
     KvEvents,
+    MalformedFrames,
     ModelInfo,
     RequestOutput,
     StepOutput,
@@ -142,6 +143,7 @@ class SchedulerLoop:
         self.running = True
         self.profiler = StepProfiler(str(engine.runner.device))  # StartProfile / StopProfile
         self.last_stats_log = time.monotonic()
+        self.malformed = MalformedFrames(logger, "scheduler inbox")
 
     def send(self, msg) -> None:
         self.outbox.send(from_scheduler_encoder.encode(msg), copy=False)
@@ -201,7 +203,11 @@ class SchedulerLoop:
                 raw = self.inbox.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            msg = to_scheduler_decoder.decode(raw.buffer)
+            try:
+                msg = to_scheduler_decoder.decode(raw.buffer)
+            except msgspec.DecodeError as e:  # (a ValidationError too: msgpack of another shape)
+                self.malformed.drop(raw.buffer, e)
+                continue
             if isinstance(msg, AddRequest):
                 err = self._add(msg)
                 if err is not None:

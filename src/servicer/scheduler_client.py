@@ -29,6 +29,7 @@ from scheduler.messages import (
     Heartbeat,
     KvEvents,
     LoadSnapshot,
+    MalformedFrames,
     ModelInfo,
     StepOutput,
     from_scheduler_decoder,
@@ -98,6 +99,7 @@ class SchedulerClient:
         self._reader: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self.kv_event_listener = None  # called with every KvEvents batch (see kv_events.py)
+        self.malformed = MalformedFrames(logger, "servicer (from the scheduler)")
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -191,7 +193,12 @@ class SchedulerClient:
         try:
             while True:
                 raw = await self.from_scheduler.recv(copy=False)
-                self._dispatch(from_scheduler_decoder.decode(raw.buffer))
+                try:
+                    msg = from_scheduler_decoder.decode(raw.buffer)
+                except msgspec.DecodeError as e:  # (a ValidationError too: msgpack of another shape)
+                    self.malformed.drop(raw.buffer, e)
+                    continue
+                self._dispatch(msg)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug here would leave every request waiting for the watchdog
