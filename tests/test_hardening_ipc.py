@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -189,3 +190,74 @@ def test_malformed_frames_pushed_into_the_scheduler_inbox_are_dropped(ipc_daemon
         outbox.close()
         ctx.term()
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ stale IPC directories
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def ipc_dir(parent: Path, pid: int, suffix: str) -> Path:
+    """A directory as a servicer makes one, with a socket nobody listens on any more."""
+    d = parent / f"servicer-{pid}-{suffix}"
+    d.mkdir(mode=0o700)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.bind(str(d / "to-scheduler-0123abcd"))  # (closed: the file stays, as after a SIGKILL)
+    return d
+
+
+@pytest.fixture
+def ipc_parent():
+    parent = Path(tempfile.mkdtemp(prefix="stale-", dir="/tmp"))  # (socket paths end at 107 bytes)
+    yield parent
+    shutil.rmtree(parent, ignore_errors=True)
+
+
+def remove_stale_in(parent: Path) -> list[str]:
+    from servicer.scheduler_client import remove_stale_ipc_dirs
+
+    return remove_stale_ipc_dirs([str(parent)])
+
+
+def test_only_the_ipc_directories_of_dead_servicers_are_removed(ipc_parent):
+    gone = dead_pid()
+    stale = ipc_dir(ipc_parent, gone, "abc123de")
+    ours = ipc_dir(ipc_parent, os.getpid(), "ours0000")
+    live = ipc_dir(ipc_parent, os.getppid(), "live0000")
+    legacy = ipc_parent / "servicer-x1y2z3w4"  # no pid in the name: whose it is cannot be told
+    legacy.mkdir()
+    elsewhere = ipc_dir(ipc_parent, os.getpid(), "target00")
+    link = ipc_parent / f"servicer-{gone}-link0000"
+    link.symlink_to(elsewhere)
+    held = ipc_dir(ipc_parent, gone, "held0000")  # a dead pid, but someone listens on its socket
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    (held / "to-scheduler-0123abcd").unlink()
+    listener.bind(str(held / "to-scheduler-0123abcd"))
+    listener.listen()
+    try:
+        assert remove_stale_in(ipc_parent) == [str(stale)]
+    finally:
+        listener.close()
+    assert not stale.exists()
+    for kept in (ours, live, legacy, elsewhere, held):
+        assert kept.is_dir(), kept
+    assert link.is_symlink() and (elsewhere / "to-scheduler-0123abcd").exists()
+
+
+def test_other_users_ipc_directories_are_never_touched(ipc_parent, monkeypatch):
+    stale = ipc_dir(ipc_parent, dead_pid(), "abc123de")
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(stale).st_uid + 1)
+    assert remove_stale_in(ipc_parent) == []
+    assert stale.is_dir()
+
+
+def test_a_directory_holding_anything_but_sockets_is_kept(ipc_parent):
+    stale = ipc_dir(ipc_parent, dead_pid(), "abc123de")
+    (stale / "notes.txt").write_text("not ours to delete")
+    assert remove_stale_in(ipc_parent) == []
+    assert (stale / "notes.txt").exists() and (stale / "to-scheduler-0123abcd").exists()

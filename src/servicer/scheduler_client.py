@@ -8,10 +8,14 @@ import asyncio
 import itertools
 import logging
 import os
+import re
+import socket
+import stat
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -37,6 +41,91 @@ from scheduler.messages import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+# servicer-<pid of the owning servicer>-<mkdtemp's random part>: a daemon killed by SIGKILL
+# leaves its directory behind, and the next one to start removes it.
+_IPC_DIR_NAME = re.compile(r"servicer-(\d+)-[a-z0-9_]+")
+
+
+def _ipc_parents() -> list[str]:
+    """Where IPC directories are made (see SchedulerClient.__init__)."""
+    return list(dict.fromkeys([tempfile.gettempdir(), "/tmp"]))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _listened_on(directory_fd: int, name: str) -> bool:
+    """Whether a process accepts connections on the socket ``name``: its owner is alive even
+    where its pid means nothing here (another pid namespace sharing the directory)."""
+    path = f"/proc/self/fd/{directory_fd}/{name}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
+
+
+def _remove_ipc_dir(path: str) -> bool:
+    """Unlink a dead daemon's sockets and its directory; False (and nothing removed past what
+    was) if it holds anything else, a socket still listened on, or is no longer a directory."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        names = os.listdir(fd)
+        for name in names:
+            mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+            if not stat.S_ISSOCK(mode) or _listened_on(fd, name):
+                return False
+        for name in names:
+            os.unlink(name, dir_fd=fd)
+        os.rmdir(path)  # (a symlink swapped in meanwhile: ENOTDIR)
+    except FileNotFoundError:  # another servicer starting beside us removed it first
+        return False
+    except OSError as e:
+        logger.warning("could not remove the stale IPC directory %s: %s", path, e)
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def remove_stale_ipc_dirs(parents: Iterable[str] | None = None) -> list[str]:
+    """Remove the IPC directories (in ``parents``, by default where ours are made) of
+    servicers that died without cleaning up: owned by our user, named for a pid that is gone.
+    Symlinks, other users' directories and our own are never touched. Returns the paths removed."""
+    removed = []
+    for parent in _ipc_parents() if parents is None else parents:
+        try:
+            entries = list(os.scandir(parent))
+        except OSError:
+            continue
+        for entry in entries:
+            match = _IPC_DIR_NAME.fullmatch(entry.name)
+            if match is None:
+                continue
+            pid = int(match.group(1))
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or pid == os.getpid() or _pid_alive(pid):
+                continue
+            if _remove_ipc_dir(entry.path):
+                logger.info("removed the IPC directory %s of a servicer gone (pid %d)", entry.path, pid)
+                removed.append(entry.path)
+    return removed
 
 
 class SchedulerUnavailable(Exception):
@@ -72,10 +161,13 @@ class SchedulerClient:
         # of n=10k children stalled the loop for seconds) and aborts wait behind them.
         self.ctx.setsockopt(zmq.SNDHWM, 0)
         self.ctx.setsockopt(zmq.RCVHWM, 0)
-        ipc_dir = tempfile.mkdtemp(prefix="servicer-")
+        remove_stale_ipc_dirs()
+        prefix = f"servicer-{os.getpid()}-"  # (_IPC_DIR_NAME)
+        ipc_dir = tempfile.mkdtemp(prefix=prefix)
         if len(ipc_dir) > 64:  # ipc:// paths end at 107 bytes: a long TMPDIR cannot hold ours
             os.rmdir(ipc_dir)
-            ipc_dir = tempfile.mkdtemp(prefix="servicer-", dir="/tmp")
+            ipc_dir = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+        logger.debug("scheduler IPC sockets in %s", ipc_dir)
         tag = uuid.uuid4().hex[:8]
         self.inbox_addr = f"ipc://{ipc_dir}/to-scheduler-{tag}"
         self.outbox_addr = f"ipc://{ipc_dir}/from-scheduler-{tag}"
@@ -321,4 +413,4 @@ class SchedulerClient:
             self._calls.pop(call_id, None)
 
 
-__all__ = ["SchedulerClient", "SchedulerUnavailable"]
+__all__ = ["SchedulerClient", "SchedulerUnavailable", "remove_stale_ipc_dirs"]
