@@ -8,9 +8,8 @@ import random
 
 import pytest
 
-from helpers import Daemon, scheduler_stub
-from test_e2e_grpc import chunks_of, completes_of, fresh_salt, generate, make_request, one_complete, wait_idle
-from test_e2e_overlap import used_tokens
+from helpers import Daemon, scheduler_stub, wait_kv_free
+from test_e2e_grpc import chunks_of, completes_of, fresh_salt, generate, make_request, one_complete
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +42,7 @@ def test_greedy_stream_matches_the_plain_daemon_and_reports_its_drafts(spec_stub
     assert streamed == list(done.output_ids) == list(plain.output_ids)
     assert done.finish_reason == "length" and done.completion_tokens == 40
     assert 0 < done.spec_accepted_tokens <= done.spec_draft_tokens
-    assert wait_idle(spec_stub) == 0 and used_tokens(spec_stub) == 0
+    assert wait_kv_free(spec_stub) == (0, 0, 0)
 
 
 def test_n2_and_stop_ids_with_speculation(spec_stub, grpc_stub):
@@ -58,4 +57,4 @@ def test_n2_and_stop_ids_with_speculation(spec_stub, grpc_stub):
     for c in completes:  # greedy: both sequences as the plain daemon's, ending at the stop id
         assert list(c.output_ids) == list(plain.output_ids) and c.finish_reason == "stop"
         assert c.matched_token_id == stop
-    assert wait_idle(spec_stub) == 0 and used_tokens(spec_stub) == 0
+    assert wait_kv_free(spec_stub) == (0, 0, 0)
