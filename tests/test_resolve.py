@@ -11,20 +11,9 @@ import torch
 from scheduler.config import DEVICE_DEFAULTS, EngineConfig, describe_default
 from scheduler.model_config import ModelConfig
 from scheduler.resolve import ResolvedConfig, resolve
+from test_model_config import LLAMA
 
-MODEL = ModelConfig.from_hf_dict(
-    dict(
-        model_type="llama",
-        architectures=["LlamaForCausalLM"],
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-)
+MODEL = ModelConfig.from_hf_dict(LLAMA)  # a tiny Llama: 2 layers, 2 KV heads of 16
 WEIGHTS = 2**20
 
 
