@@ -79,6 +79,17 @@ class DeviceDefaults:
     speculative_doubling_rows: dict[str, int]
 
 
+_ACCELERATOR = DeviceDefaults(
+    dtype="bfloat16",
+    kernel_backend="triton",
+    kv_cache_memory="85%",
+    max_num_batched_tokens=8192,
+    max_running_requests=256,
+    overlap_schedule=True,
+    cuda_graph=True,
+    speculative_doubling_rows={},
+)
+
 DEVICE_DEFAULTS: dict[str, DeviceDefaults] = {
     "cpu": DeviceDefaults(
         dtype="float32",
@@ -90,26 +101,9 @@ DEVICE_DEFAULTS: dict[str, DeviceDefaults] = {
         cuda_graph=False,
         speculative_doubling_rows={"float32": 128, "bfloat16": 32, "float16": 32},  # A/B-chosen: docs/performance.md
     ),
-    "cuda": DeviceDefaults(
-        dtype="bfloat16",
-        kernel_backend="triton",
-        kv_cache_memory="85%",
-        max_num_batched_tokens=8192,
-        max_running_requests=256,
-        overlap_schedule=True,
-        cuda_graph=True,
-        speculative_doubling_rows={},
-    ),
-    "npu": DeviceDefaults(
-        dtype="bfloat16",
-        kernel_backend="torch",
-        kv_cache_memory="85%",
-        max_num_batched_tokens=8192,
-        max_running_requests=256,
-        overlap_schedule=True,
-        cuda_graph=False,
-        speculative_doubling_rows={},
-    ),
+    "cuda": _ACCELERATOR,
+    # (no Triton or CUDA graphs there: the torch paths through torch_npu)
+    "npu": dataclasses.replace(_ACCELERATOR, kernel_backend="torch", cuda_graph=False),
 }
 
 
