@@ -1,7 +1,10 @@
 """Environment switches of the daemon, all in one place and all ``SERVICER_*``.
 
-Each is read when first asked for, so a test may set it before use. Variables owned by
-other tools (``TRITON_INTERPRET``, ``CC``, ``XDG_CACHE_HOME``) are read here too.
+``SERVICER_DISABLE_NATIVE_KERNELS=1`` runs every CPU op on the torch paths;
+``SERVICER_PROFILE_DIR`` and ``SERVICER_PROFILE_MAX_STEPS`` set where StartProfile writes and
+after how many steps a session stops. Each is read when first asked for, so a test may set it
+before use. Variables owned by other tools (``TRITON_INTERPRET``, ``CC``, ``XDG_CACHE_HOME``)
+are read here too.
 """
 
 from __future__ import annotations
@@ -10,13 +13,6 @@ import logging
 import os
 
 logger = logging.getLogger(__name__)
-
-# name -> what it does (listed by docs/architecture.md and read below)
-SWITCHES = {
-    "SERVICER_DISABLE_NATIVE_KERNELS": "1: never build or call the native CPU kernels (the torch paths run instead)",
-    "SERVICER_PROFILE_DIR": "where StartProfile writes traces when the request names no directory",
-    "SERVICER_PROFILE_MAX_STEPS": "steps after which a profile session stops by itself",
-}
 
 
 def native_kernels_disabled() -> bool:
