@@ -132,6 +132,36 @@ def test_a_cache_directory_others_may_write_is_refused(tmp_path, planted_library
     assert os.stat(tmp_path / "fresh" / "cache").st_mode & 0o777 == 0o700
 
 
+def test_a_cache_below_a_directory_others_may_change_is_refused(tmp_path):
+    """Others who may rename entries of a parent could swap our directory for theirs."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(OSError):
+        owned_cache.owned_dir(str(shared / "servicer" / "kernels"))
+    os.chmod(shared, 0o1777)  # sticky, as /tmp: only an entry's owner may rename it
+    assert owned_cache.owned_dir(str(shared / "servicer" / "kernels"))
+
+
+EXIT_WITHOUT_TEARDOWN = """
+from kernels import owned_cache
+from scheduler import process
+print(owned_cache.cache_dir("kernels"), flush=True)
+process._exit_without_teardown(0)
+"""
+
+
+def test_the_private_temp_cache_goes_with_a_process_ending_in_os_exit(tmp_path):
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, PYTHONPATH=str(SRC_DIR), XDG_CACHE_HOME=str(unusable_home(tmp_path)))
+    env["TMPDIR"] = str(tmp_path / "tmp")
+    p = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_TEARDOWN], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    private = p.stdout.strip()
+    assert private.startswith(str(tmp_path / "tmp")), private
+    assert not os.path.exists(private)
+
+
 # ------------------------------------------------------------------ the converted-tokenizer cache
 
 

@@ -29,6 +29,8 @@ from typing import NoReturn
 import msgspec
 import zmq
 
+from kernels import owned_cache
+
 from .config import EngineConfig
 from .messages import (
     AbortRequest,
@@ -62,6 +64,7 @@ def _tie_lifetime_to_parent() -> None:
 
     def on_signal(signum, frame):
         if os.getppid() != parent:  # the servicer is gone: nobody will drain us
+            owned_cache.remove_private_dirs()
             os._exit(0)
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -288,6 +291,7 @@ def _exit_without_teardown(code: int) -> NoReturn:
     """End the process once its logs are flushed, skipping the interpreter's teardown: there
     Triton's nanobind bindings report dozens of "leaked" objects, and Python would join grammar
     compiles still running on worker threads (they cannot be interrupted)."""
+    owned_cache.remove_private_dirs()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
