@@ -261,3 +261,52 @@ def test_a_directory_holding_anything_but_sockets_is_kept(ipc_parent):
     (stale / "notes.txt").write_text("not ours to delete")
     assert remove_stale_in(ipc_parent) == []
     assert (stale / "notes.txt").exists() and (stale / "to-scheduler-0123abcd").exists()
+
+
+CLOSE_WITH_A_STUCK_HEARTBEAT = """
+import sys, zmq
+from scheduler import process
+
+class StuckHeartbeat:
+    def stop(self):
+        return False  # its thread did not end: its socket stays open
+
+ctx = zmq.Context()
+stuck = ctx.socket(zmq.PUSH)  # the heartbeat's socket, never closed
+outbox = ctx.socket(zmq.PUSH)
+outbox.setsockopt(zmq.LINGER, process.OUTBOX_LINGER_MS)
+outbox.connect(sys.argv[1])
+inbox = ctx.socket(zmq.PULL)
+for i in range(int(sys.argv[2])):
+    outbox.send(bytes(2**20))
+process._close_sockets(ctx, inbox, outbox, StuckHeartbeat())
+process._exit_without_teardown(0)
+"""
+
+
+def test_the_last_outputs_leave_even_when_the_heartbeat_thread_is_stuck(tmp_path):
+    """A scheduler ending with os._exit after its heartbeat thread failed to stop still
+    delivers what its outbox queued."""
+    count = 200
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    address = f"ipc://{tmp_path}/outbox"
+    pull.bind(address)
+    try:
+        env = dict(os.environ, PYTHONPATH=str(SRC_DIR))
+        p = subprocess.run(
+            [sys.executable, "-c", CLOSE_WITH_A_STUCK_HEARTBEAT, address, str(count)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert p.returncode == 0, p.stderr
+        received = 0
+        while pull.poll(1000):
+            pull.recv()
+            received += 1
+        assert received == count
+    finally:
+        pull.close(0)
+        ctx.term()

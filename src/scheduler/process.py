@@ -51,6 +51,7 @@ from .messages import (
 from .profiler import StepProfiler, TraceWrite
 
 logger = logging.getLogger("scheduler")
+OUTBOX_LINGER_MS = 1000  # how long the last outputs may take to leave at exit
 HEARTBEAT_S = 0.25
 STATS_LOG_S = 10.0  # while busy, one line of load every this often (as SGLang's decode log)
 
@@ -283,8 +284,12 @@ def _close_sockets(ctx: zmq.Context, inbox: zmq.Socket, outbox: zmq.Socket, hear
     heartbeat_closed = heartbeat is None or heartbeat.stop()
     inbox.close(0)
     outbox.close()
-    if heartbeat_closed:  # (term() waits for every socket)
+    if heartbeat_closed:
         ctx.term()
+    else:  # term() would wait forever for the heartbeat's socket, but delivers the outbox meanwhile
+        terminating = threading.Thread(target=ctx.term, daemon=True)
+        terminating.start()
+        terminating.join(OUTBOX_LINGER_MS / 1000)
 
 
 def _exit_without_teardown(code: int) -> NoReturn:
@@ -318,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(args.inbox)
     outbox = ctx.socket(zmq.PUSH)
-    outbox.setsockopt(zmq.LINGER, 1000)
+    outbox.setsockopt(zmq.LINGER, OUTBOX_LINGER_MS)
     outbox.connect(args.outbox)
 
     def send(msg) -> None:
