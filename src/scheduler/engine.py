@@ -97,7 +97,10 @@ class Engine:
         try:
             tokenizer = load_tokenizer(self.runner.model_path)
         except Exception as e:  # noqa: BLE001  (no tokenizer: refuse rather than ignore the stops)
-            raise AdmissionError("FAILED_PRECONDITION", f"stop strings need the tokenizer: {e}") from e
+            logger.warning("stop strings refused: no tokenizer for %s: %s", self.runner.model_path, e)
+            raise AdmissionError(
+                "FAILED_PRECONDITION", "stop strings need the model's tokenizer, which did not load"
+            ) from e
         return StopStringChecker(tokenizer, msg.sampling.stop, msg.input_ids, trim=not msg.sampling.no_stop_trim)
 
     def _admit_compiled(self) -> None:

@@ -263,9 +263,9 @@ class SchedulerLoop:
                 self.running = False
                 return ControlReply(msg.call_id, True, message="scheduler stopping")
             return ControlReply(msg.call_id, False, message=f"unknown control method {msg.method!r}")
-        except Exception as e:  # an admin call must never take the scheduler down
+        except Exception:  # an admin call must never take the scheduler down
             logger.exception("control call %s failed", msg.method)
-            return ControlReply(msg.call_id, False, message=f"{type(e).__name__}: {e}")
+            return ControlReply(msg.call_id, False, message=f"{msg.method} failed; the daemon's log has the details")
 
 
 def _preload_tokenizer(model_path: str) -> None:
