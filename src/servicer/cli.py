@@ -76,6 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=srv.host, help="address to bind the gRPC server to")
     p.add_argument("--port", type=_number(int, 0, 65535), default=srv.port, help="gRPC port")
     p.add_argument(
+        "--ssl-certfile",
+        default=srv.ssl_certfile,
+        metavar="PEM",
+        help="serve TLS on the whole port with this certificate chain (with --ssl-keyfile); without TLS a "
+        "host other than loopback gets a warning: the admin RPCs are open to the network",
+    )
+    p.add_argument("--ssl-keyfile", default=srv.ssl_keyfile, metavar="PEM", help="private key of --ssl-certfile")
+    p.add_argument(
+        "--ssl-ca-certs",
+        default=srv.ssl_ca_certs,
+        metavar="PEM",
+        help="CA certificates (with --ssl-certfile): every client must present a certificate they signed (mTLS)",
+    )
+    p.add_argument(
         "--device",
         default=e.device,
         help="where the model runs: auto (CUDA, then NPU, else CPU), cpu, cuda, cuda:N, npu, npu:N",

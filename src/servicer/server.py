@@ -22,6 +22,7 @@ from .generated import sglang_scheduler_pb2_grpc as pb_grpc
 from .health import HealthServicer, HealthState
 from .scheduler_client import SchedulerClient, SchedulerUnavailable
 from .scheduler_service import SglangSchedulerService
+from .tls import TLSConfigError, exposure_warning, load_server_credentials
 
 logger = logging.getLogger("servicer")
 
@@ -50,6 +51,9 @@ class ServerConfig:
     log_level: str = "info"
     shutdown_grace_s: float = 30.0
     watchdog_timeout_s: float = 300.0  # 0: never kill a scheduler that stopped making progress
+    ssl_certfile: str | None = None  # PEM certificate chain: TLS on the whole port
+    ssl_keyfile: str | None = None  # its PEM private key
+    ssl_ca_certs: str | None = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)
 
 
 class StartupError(Exception):
@@ -100,11 +104,17 @@ def _build_server(service: SglangSchedulerService, health_servicer: HealthServic
     return server
 
 
-def _bind(server: grpc.aio.Server, host: str, port: int) -> str | None:
-    """Listen on host:port; the address, or None (logged) when it cannot."""
+def _bind(
+    server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None
+) -> str | None:
+    """Listen on host:port, with TLS given ``credentials``; the address, or None (logged)
+    when it cannot."""
     host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # an IPv6 literal
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
     except RuntimeError:  # newer grpcio raises where older ones returned 0
         bound = 0
     if bound == 0:
@@ -115,17 +125,30 @@ def _bind(server: grpc.aio.Server, host: str, port: int) -> str | None:
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Run the daemon until SIGTERM/SIGINT (exit 0) or scheduler failure (exit 1)."""
+    try:
+        credentials = load_server_credentials(
+            server_config.ssl_certfile, server_config.ssl_keyfile, server_config.ssl_ca_certs
+        )
+    except TLSConfigError as e:
+        logger.error("start-up failed: %s", e)
+        return 1
     client = SchedulerClient(engine_config, server_config.log_level)
     health = HealthState(client)
     service = SglangSchedulerService(client, health)
 
     server = _build_server(service, HealthServicer(health))
-    address = _bind(server, server_config.host, server_config.port)
+    address = _bind(server, server_config.host, server_config.port, credentials)
     if address is None:
         await client.stop()
         return 1
     await server.start()
-    logger.info("gRPC server listening on %s (NOT_SERVING until the model is loaded and warmed up)", address)
+    security = "plaintext" if credentials is None else "mTLS" if server_config.ssl_ca_certs else "TLS"
+    logger.info(
+        "gRPC server listening on %s, %s (NOT_SERVING until the model is loaded and warmed up)", address, security
+    )
+    warning = exposure_warning(server_config.host, credentials is not None, bool(server_config.ssl_ca_certs))
+    if warning:
+        logger.warning("%s", warning)
 
     stop_requested, abort_now = asyncio.Event(), asyncio.Event()
 
