@@ -32,7 +32,7 @@ def wait_written(prof: StepProfiler) -> TraceWrite:
 
 
 def test_stop_hands_back_a_trace_write_that_lands_whole(tmp_path):
-    prof = StepProfiler()
+    prof = StepProfiler(profile_dir=str(tmp_path))
     ok, msg = prof.start(output_dir=str(tmp_path), record_shapes=True)
     assert ok and "at most" in msg, msg
     run_steps(prof, 3)
@@ -64,7 +64,7 @@ def held_export(monkeypatch):
 
 
 def test_no_new_session_while_the_last_trace_is_written(tmp_path, held_export):
-    prof = StepProfiler()
+    prof = StepProfiler(profile_dir=str(tmp_path))
     assert prof.start(output_dir=str(tmp_path))[0]
     run_steps(prof, 2)
     write = prof.stop()
@@ -81,7 +81,7 @@ def test_no_new_session_while_the_last_trace_is_written(tmp_path, held_export):
 
 
 def test_a_write_cut_short_leaves_nothing(tmp_path, held_export):
-    prof = StepProfiler()
+    prof = StepProfiler(profile_dir=str(tmp_path))
     assert prof.start(output_dir=str(tmp_path))[0]
     run_steps(prof, 1)
     write = prof.stop()
@@ -93,8 +93,8 @@ def test_a_write_cut_short_leaves_nothing(tmp_path, held_export):
 class RecordingLoop(SchedulerLoop):
     """The scheduler loop's control path alone: replies are recorded, not sent."""
 
-    def __init__(self):
-        self.profiler = StepProfiler()
+    def __init__(self, profile_dir):
+        self.profiler = StepProfiler(profile_dir=str(profile_dir))
         self.replies: list[ControlReply] = []
 
     def send(self, msg) -> None:
@@ -110,7 +110,7 @@ def control(loop, call_id, method, **args):
 def test_each_deferred_stop_profile_gets_its_own_trace(tmp_path, held_export):
     """StopProfile 1 waits for trace A; A is written; then a StartProfile and StopProfile 2
     arrive in one inbox read (no loop pass between): 1 gets A, 2 gets the new trace B."""
-    loop = RecordingLoop()
+    loop = RecordingLoop(tmp_path)
     control(loop, 0, "start_profile", output_dir=str(tmp_path))
     run_steps(loop.profiler, 1)
     control(loop, 1, "stop_profile")
@@ -135,7 +135,7 @@ def test_each_deferred_stop_profile_gets_its_own_trace(tmp_path, held_export):
 
 def test_sessions_are_capped_in_steps(tmp_path, monkeypatch):
     monkeypatch.setattr(profiler_module, "MAX_PROFILE_STEPS", 15)
-    prof = StepProfiler()
+    prof = StepProfiler(profile_dir=str(tmp_path))
     ok, msg = prof.start(output_dir=str(tmp_path), num_steps=16)
     assert not ok and "num_steps must be in [1, 15]" in msg, msg
     ok, msg = prof.start(output_dir=str(tmp_path), num_steps=4, with_stack=True)
@@ -150,7 +150,7 @@ def test_sessions_are_capped_in_steps(tmp_path, monkeypatch):
 
 
 def test_a_failed_write_is_an_answer_and_leaves_nothing(tmp_path):
-    prof = StepProfiler()
+    prof = StepProfiler(profile_dir=str(tmp_path))
     out = tmp_path / "out"
     assert prof.start(output_dir=str(out))[0]
     run_steps(prof, 1)
@@ -164,5 +164,59 @@ def test_a_failed_write_is_an_answer_and_leaves_nothing(tmp_path):
 
 @pytest.mark.parametrize("bad", [0, -1])
 def test_bad_num_steps_refused(tmp_path, bad):
-    ok, msg = StepProfiler().start(output_dir=str(tmp_path), num_steps=bad)
+    ok, msg = StepProfiler(profile_dir=str(tmp_path)).start(output_dir=str(tmp_path), num_steps=bad)
     assert not ok and "num_steps" in msg
+
+
+def test_profiling_is_off_without_a_profile_dir(tmp_path):
+    prof = StepProfiler()
+    for ok, msg in (prof.start(output_dir=str(tmp_path / "x")), prof.stop()):
+        assert not ok and "profiling is off" in msg and "--profile-dir" in msg, msg
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_dir_must_resolve_inside_the_profile_dir(tmp_path):
+    base = tmp_path / "profiles"
+    base.mkdir()
+    (base / "out").symlink_to(tmp_path)
+    real = os.path.realpath(base)
+    assert profiler_module.resolve_output_dir(str(base), None) == real
+    assert profiler_module.resolve_output_dir(str(base), "a/b") == os.path.join(real, "a", "b")
+    assert profiler_module.resolve_output_dir(str(base), str(base / "a")) == os.path.join(real, "a")
+    assert profiler_module.resolve_output_dir(str(base), "a/../b") == os.path.join(real, "b")
+    for bad in ["..", "../profiles-x", "a/../../x", str(tmp_path / ".ssh"), "/", "out", "out/x", "a\x00b"]:
+        assert profiler_module.resolve_output_dir(str(base), bad) is None, bad
+
+
+def test_new_directories_are_private(tmp_path):
+    prof = StepProfiler(profile_dir=str(tmp_path / "profiles"))
+    ok, msg = prof.start(output_dir="a/b", num_steps=1)
+    assert ok, msg
+    for d in (tmp_path / "profiles", tmp_path / "profiles" / "a", tmp_path / "profiles" / "a" / "b"):
+        assert d.stat().st_mode & 0o777 == 0o700, d
+    run_steps(prof, 1)
+    write = wait_written(prof)
+    assert os.stat(write.path).st_mode & 0o777 == 0o600
+
+
+def test_a_file_where_the_directory_should_be_is_a_generic_answer(tmp_path, caplog):
+    (tmp_path / "f").write_text("")
+    ok, msg = StepProfiler(profile_dir=str(tmp_path)).start(output_dir="f/sub")
+    assert not ok and "daemon log" in msg, msg
+    assert "Not a directory" not in msg and "exists" not in msg, msg
+    assert "Not a directory" in caplog.text, "the reason goes to the log"
+
+
+def test_only_the_newest_traces_are_kept(tmp_path):
+    prof = StepProfiler(profile_dir=str(tmp_path), max_traces=2)
+    other = tmp_path / "notes.json.gz"
+    other.write_text("not ours")
+    paths = []
+    for sub in ["", "a", "b"]:  # the cap counts traces in every subdirectory
+        assert prof.start(output_dir=sub)[0]
+        run_steps(prof, 1)
+        prof.stop()
+        paths.append(wait_written(prof).path)
+    kept = sorted(str(p) for p in tmp_path.rglob("*.trace.json.gz"))
+    assert kept == sorted(paths[1:]), kept
+    assert other.exists(), "files that are not our traces stay"

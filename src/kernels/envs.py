@@ -1,10 +1,10 @@
 """Environment switches of the daemon, all in one place and all ``SERVICER_*``.
 
 ``SERVICER_DISABLE_NATIVE_KERNELS=1`` runs every CPU op on the torch paths;
-``SERVICER_PROFILE_DIR`` and ``SERVICER_PROFILE_MAX_STEPS`` set where StartProfile writes and
-after how many steps a session stops. Each is read when first asked for, so a test may set it
-before use. Variables owned by other tools (``TRITON_INTERPRET``, ``CC``, ``XDG_CACHE_HOME``)
-are read here too.
+``SERVICER_PROFILE_MAX_STEPS`` sets after how many steps a profile stops. Each is read when
+first asked for, so a test may set it before use. Variables owned by other tools
+(``TRITON_INTERPRET``, ``CC``, ``XDG_CACHE_HOME``, SGLang's ``SGLANG_TORCH_PROFILER_DIR``: the
+profile directory when ``--profile-dir`` is not given) are read here too.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ def native_kernels_disabled() -> bool:
     return os.environ.get("SERVICER_DISABLE_NATIVE_KERNELS") == "1"
 
 
-def profile_dir() -> str:
-    return os.environ.get("SERVICER_PROFILE_DIR") or "/tmp/servicer-profiles"
+def profile_dir() -> str | None:
+    """SGLang's variable for where traces go; unset: profiling is off."""
+    return os.environ.get("SGLANG_TORCH_PROFILER_DIR") or None
 
 
 def profile_max_steps(default: int) -> int:

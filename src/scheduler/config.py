@@ -14,6 +14,8 @@ import math
 
 import msgspec
 
+PROFILE_MAX_TRACES = 20  # traces StartProfile keeps by default (one with stacks is large)
+
 
 class EngineConfig(msgspec.Struct, kw_only=True):
     """What the user asked for (the CLI's flags; "auto" and None: the device's default, see
@@ -56,6 +58,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     grammar_compile_timeout_s: float = 30.0  # a structured-output grammar compiling longer is refused
     constrained_json_any_whitespace: bool = False  # JSON constraints allow any whitespace (else compact JSON)
     served_model_name: str | None = None
+    # StartProfile writes traces only inside this directory; None: SGLANG_TORCH_PROFILER_DIR, else off
+    profile_dir: str | None = None
+    profile_max_traces: int = PROFILE_MAX_TRACES  # traces kept under profile_dir; older ones are deleted
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import NoReturn
 import msgspec
 import zmq
 
-from kernels import owned_cache
+from kernels import envs, owned_cache
 
 from .config import EngineConfig
 from .messages import (
@@ -133,7 +133,7 @@ class HeartbeatThread(threading.Thread):
 
 
 class SchedulerLoop:
-    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket):
+    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, profiler: StepProfiler | None = None):
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
@@ -145,7 +145,7 @@ class SchedulerLoop:
         # time, and the servicer would keep it (same version as the step's output).
         self.beat = (engine.load, 0.0)
         self.running = True
-        self.profiler = StepProfiler(str(engine.runner.device))  # StartProfile / StopProfile
+        self.profiler = profiler if profiler is not None else StepProfiler(str(engine.runner.device))  # profiling off
         self.last_stats_log = time.monotonic()
         self.malformed = MalformedFrames(logger, "scheduler inbox")
 
@@ -352,7 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=_preload_tokenizer, args=(engine.runner.model_path,), name="tokenizer", daemon=True).start()
     heartbeat = None
     try:
-        loop = SchedulerLoop(engine, inbox, outbox)
+        profile_dir = config.profile_dir or envs.profile_dir()
+        if profile_dir:
+            logger.info(
+                "StartProfile may write traces under %s (the newest %d kept)", profile_dir, config.profile_max_traces
+            )
+        profiler = StepProfiler(str(engine.runner.device), profile_dir, config.profile_max_traces)
+        loop = SchedulerLoop(engine, inbox, outbox, profiler)
         heartbeat = HeartbeatThread(ctx, args.outbox, loop)
         heartbeat.start()
         loop.run()

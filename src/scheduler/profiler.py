@@ -1,5 +1,12 @@
 """torch.profiler sessions inside the scheduler process (StartProfile / StopProfile).
 
+Profiling is off unless the operator names a profile directory (``--profile-dir``, else
+SGLang's ``SGLANG_TORCH_PROFILER_DIR``). A request's ``output_dir`` must lie inside it
+(relative paths are taken from it; symlinks are resolved), and the directories made for
+it are private (0700). Once a trace is written, only the newest ``profile_max_traces``
+traces under the profile directory are kept. Filesystem errors go to the log; the client
+gets a generic answer, so StartProfile tells nothing about paths outside the directory.
+
 The scheduler loop calls :meth:`StepProfiler.on_step` after every engine step. A session
 starts at once, or ``start_step`` steps later; it stops on StopProfile, by itself after
 ``num_steps`` profiled steps, or at the latest after ``MAX_PROFILE_STEPS`` (a fifth of
@@ -26,12 +33,83 @@ import time
 
 from kernels import envs
 
+from .config import PROFILE_MAX_TRACES
+
 logger = logging.getLogger("scheduler")
 
 # A session stops by itself after this many steps: building its trace pauses the loop for
 # a time that grows with the steps profiled (far more with stacks, shapes and memory).
 MAX_PROFILE_STEPS = 1000  # SERVICER_PROFILE_MAX_STEPS overrides it (kernels/envs.py)
 DETAIL_COST = 5  # stacks, shapes or memory: a fifth of the steps
+
+TRACE_PREFIX, TRACE_SUFFIX = "servicer-", ".trace.json.gz"
+
+PROFILING_OFF = (
+    "profiling is off: start the daemon with --profile-dir DIR (or SGLANG_TORCH_PROFILER_DIR=DIR) to allow it"
+)
+OUTSIDE = "output_dir must be inside the profile directory"
+
+
+def _inside(path: str, base: str) -> bool:
+    return path == base or path.startswith(base.rstrip(os.sep) + os.sep)
+
+
+def resolve_output_dir(profile_dir: str, output_dir: str | None) -> str | None:
+    """The real path a request's ``output_dir`` names, or None unless it is inside ``profile_dir``.
+
+    The path is first checked as written (``..`` folded), so the answer never depends on
+    what exists outside the directory; then resolved, which catches symlinks inside it
+    that point out."""
+    base = os.path.abspath(profile_dir)
+    real_base = os.path.realpath(base)
+    if not output_dir:
+        return real_base
+    if "\x00" in output_dir:
+        return None
+    candidate = os.path.normpath(os.path.join(base, output_dir))
+    if not (_inside(candidate, base) or _inside(candidate, real_base)):
+        return None
+    real = os.path.realpath(candidate)
+    return real if _inside(real, real_base) else None
+
+
+def make_private_dirs(base: str, path: str) -> None:
+    """Create ``base`` and the directories of ``path`` below it, each new one mode 0700
+    (``os.makedirs`` gives its mode to the last directory only)."""
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    current = base
+    for part in os.path.relpath(path, base).split(os.sep):
+        if part in ("", os.curdir):
+            continue
+        current = os.path.join(current, part)
+        try:
+            os.mkdir(current, 0o700)
+        except FileExistsError:
+            pass
+    if not os.path.isdir(path) or os.path.realpath(path) != path:  # a file, or a symlink put there meanwhile
+        raise NotADirectoryError(path)
+
+
+def prune_traces(profile_dir: str, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` of our traces under ``profile_dir``; the paths deleted."""
+    traces = []
+    for root, _, files in os.walk(profile_dir):  # (symlinked directories are not followed)
+        for name in files:  # (a write's scratch files have other names)
+            if name.startswith(TRACE_PREFIX) and name.endswith(TRACE_SUFFIX):
+                path = os.path.join(root, name)
+                try:
+                    traces.append((os.lstat(path).st_mtime_ns, name, path))
+                except OSError:
+                    continue
+    traces.sort(reverse=True)
+    removed = []
+    for _, _, path in traces[keep:]:
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError as e:
+            logger.warning("cannot delete the old trace %s: %s", path, e)
+    return removed
 
 
 # Activity names as the router / SGLang send them -> what we record.
@@ -47,11 +125,13 @@ class TraceWrite:
     a hidden scratch directory beside the trace and renames the finished file into place:
     the output directory never shows half a trace, and :meth:`discard` removes whatever a
     write cut short (at shutdown) left. ``waiters`` are the StopProfile calls to answer
-    with ``result``, which is set last, once the scratch directory is gone.
+    with ``result``, which is set last, once the scratch directory is gone and ``prune`` (if
+    given) has deleted the traces beyond the cap.
     """
 
-    def __init__(self, prof, path: str, summary: str):
+    def __init__(self, prof, path: str, summary: str, prune=None):
         self.path = path
+        self._prune = prune
         self.summary = summary  # e.g. "profile stopped after 12 step(s)"
         self.waiters: list[int] = []  # call ids of the StopProfile calls waiting for it
         self.result: tuple[bool, str] | None = None
@@ -77,7 +157,7 @@ class TraceWrite:
         except (AttributeError, OSError):
             pass
         try:
-            os.mkdir(self._scratch)
+            os.mkdir(self._scratch, 0o700)
             raw, part = os.path.join(self._scratch, "trace.json"), os.path.join(self._scratch, "trace.json.gz")
             # Plain JSON (kineto's save, which holds the GIL, is quick), then gzip in 1 MiB
             # chunks at level 1: torch's own .gz export compresses line by line at level 9,
@@ -85,23 +165,32 @@ class TraceWrite:
             prof.export_chrome_trace(raw)
             with open(raw, "rb") as src, gzip.open(part, "wb", compresslevel=1) as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)  # zlib drops the GIL for each chunk
+            os.chmod(part, 0o600)
             os.replace(part, self.path)
             result = (True, f"{self.summary}; trace written to {self.path}")
-        except Exception as e:
-            logger.exception("cannot write the profiler trace")
-            result = (False, f"{self.summary}, but writing the trace failed: {type(e).__name__}: {e}")
+        except Exception:
+            logger.exception("cannot write the profiler trace %s", self.path)
+            result = (False, f"{self.summary}, but writing the trace failed (the daemon log says why)")
         self.discard()
+        if result[0] and self._prune is not None:
+            try:
+                self._prune()
+            except Exception:
+                logger.exception("cannot prune the old profiler traces")
         self.result = result
 
 
 class StepProfiler:
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", profile_dir: str | None = None, max_traces: int = PROFILE_MAX_TRACES):
+        """``profile_dir``: where StartProfile may write; None: profiling is off."""
         self.device = str(device)
+        self.profile_dir = os.path.abspath(profile_dir) if profile_dir else None
+        self.max_traces = max_traces
         self.profiler = None  # the running torch.profiler.profile
         self.pending: dict | None = None  # a session waiting for its start step
         self.countdown = 0  # steps left before a pending session starts
         self.steps_left = 0  # profiled steps left before an automatic stop
-        self.output_dir = envs.profile_dir()
+        self.output_dir = self.profile_dir
         self.steps = 0  # steps profiled in the current session
         self.writing: TraceWrite | None = None  # the last stopped session's trace
         self.last_trace: str | None = None
@@ -121,6 +210,8 @@ class StepProfiler:
         record_shapes: bool | None = None,
         **_ignored,
     ) -> tuple[bool, str]:
+        if self.profile_dir is None:
+            return False, PROFILING_OFF
         if self.active:
             state = "waiting for its start step" if self.pending is not None else "running"
             return False, f"a profile is already {state}; stop it first (StopProfile)"
@@ -145,13 +236,18 @@ class StepProfiler:
                 + (" with stacks, shapes or memory" if detailed else "")
                 + " (SERVICER_PROFILE_MAX_STEPS raises the cap)"
             )
-        output_dir = output_dir or envs.profile_dir()
+        requested = output_dir
+        output_dir = resolve_output_dir(self.profile_dir, requested)
+        if output_dir is None:
+            logger.warning("StartProfile refused: output_dir %r is outside %s", requested, self.profile_dir)
+            return False, OUTSIDE
         try:
-            os.makedirs(output_dir, exist_ok=True)
-        except (OSError, ValueError) as e:  # ValueError: a NUL in the path
-            return False, f"cannot create output_dir {output_dir!r}: {e}"
-        if not os.access(output_dir, os.W_OK):
-            return False, f"output_dir {output_dir!r} is not writable"
+            make_private_dirs(os.path.realpath(self.profile_dir), output_dir)
+            if not os.access(output_dir, os.W_OK):
+                raise PermissionError(f"{output_dir} is not writable")
+        except OSError as e:
+            logger.error("StartProfile refused: cannot use the output directory %s: %s", output_dir, e)
+            return False, f"cannot write traces to {output_dir} (the daemon log says why)"
 
         on_cuda = self.device.startswith("cuda")
         want_cuda = (not names or bool(_CUDA & set(names))) and on_cuda
@@ -175,9 +271,9 @@ class StepProfiler:
         else:
             try:
                 self._begin(config)
-            except Exception as e:
+            except Exception:
                 logger.exception("cannot start the profiler")
-                return False, f"cannot start the profiler: {type(e).__name__}: {e}"
+                return False, "cannot start the profiler (the daemon log says why)"
             when = "now"
         length = f"for {num_steps} step(s)" if num_steps else f"until StopProfile (at most {max_steps} steps)"
         msg = f"profiling {what} {when}, {length}; traces go to {output_dir}"
@@ -189,6 +285,8 @@ class StepProfiler:
     def stop(self) -> tuple[bool, str] | TraceWrite:
         """An answer now, or the trace being written (this session's, or the last one's if it
         stopped by itself): answer when ``done()``."""
+        if self.profile_dir is None:
+            return False, PROFILING_OFF
         if self.pending is not None:
             self.pending = None
             return True, "the pending profile was cancelled before its start step; no trace written"
@@ -240,6 +338,11 @@ class StepProfiler:
         return write
 
     # -- internals ------------------------------------------------------------------------
+    def _prune(self) -> None:
+        removed = prune_traces(self.profile_dir, self.max_traces)
+        if removed:
+            logger.info("deleted %d old trace(s) beyond the newest %d", len(removed), self.max_traces)
+
     def _begin(self, config: dict) -> None:
         import torch.profiler as tp
 
@@ -260,13 +363,14 @@ class StepProfiler:
         prof, self.profiler = self.profiler, None
         self.steps_left = 0
         summary = f"profile {how} after {self.steps} step(s)"
-        name = f"servicer-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{time.time_ns() % 10**6}.trace.json.gz"
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{time.time_ns() % 10**6}"
+        name = f"{TRACE_PREFIX}{stamp}{TRACE_SUFFIX}"
         try:
             started = time.monotonic()
             prof.stop()  # builds the trace, holding the GIL: the one part the loop must wait for
             logger.info("%s; trace built in %.1f s, writing it in the background", summary, time.monotonic() - started)
-        except Exception as e:
+        except Exception:
             logger.exception("cannot stop the profiler")
-            return False, f"{summary}, but building the trace failed: {type(e).__name__}: {e}"
-        self.writing = TraceWrite(prof, os.path.join(self.output_dir, name), summary)
+            return False, f"{summary}, but building the trace failed (the daemon log says why)"
+        self.writing = TraceWrite(prof, os.path.join(self.output_dir, name), summary, self._prune)
         return self.writing

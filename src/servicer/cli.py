@@ -287,6 +287,21 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         help="logging verbosity of the daemon and its scheduler process",
     )
+    p.add_argument(
+        "--profile-dir",
+        default=e.profile_dir,
+        metavar="DIR",
+        help="directory StartProfile writes torch.profiler traces into: a request's output_dir, absolute "
+        "or relative to it, must lie inside it, and new directories are private to the daemon's user "
+        "(default: $SGLANG_TORCH_PROFILER_DIR if set, else profiling is off)",
+    )
+    p.add_argument(
+        "--profile-max-traces",
+        type=_COUNT,
+        default=e.profile_max_traces,
+        metavar="N",
+        help="traces kept under --profile-dir: writing one deletes the oldest beyond the newest N",
+    )
     return p
 
 
