@@ -14,12 +14,17 @@ A stream (:meth:`KvEventHub.stream`):
   history, or beyond the last batch (e.g. from before a restart), is OUT_OF_RANGE and
   the router resubscribes from 0.
 * Every batch carries an ``EngineLoad`` record (from the scheduler's heartbeat snapshot).
-  Between batches the load is checked every 100 ms and a ``load_only`` batch (no events,
-  repeating the last sequence number) goes out when it changed, or as a heartbeat after
-  1 s of silence (5 s after two unchanged heartbeats). Before the stream's first real
-  batch such records are numbered 0 and sent only if ``load_records_before_first_batch``.
-  Telemetry (cache hit rate, token counts, memory, queues) rides on the stream's first
-  record and on heartbeats.
+  Between batches a ``load_only`` batch (no events, repeating the last sequence number)
+  goes out when the load changed, or as a heartbeat after 1 s of silence (5 s after two
+  unchanged heartbeats). Before the stream's first real batch such records are numbered 0
+  and sent only if ``load_records_before_first_batch``. Telemetry (cache hit rate, token
+  counts, memory, queues) rides on the stream's first record and on heartbeats.
+
+Streams do not poll: each one sleeps until its subscriber is woken (a batch, a load
+change, the engine's death) or its next heartbeat is due. One watcher task per hub looks
+at the load every 100 ms and wakes only the streams that send load records, and only when
+it changed, so idle subscribers cost nothing. At most ``MAX_SUBSCRIBERS`` streams at once;
+more are refused with RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -44,14 +49,21 @@ HISTORY_BATCHES = 1024  # batches kept for replay ...
 # history grow large (sizes: docs/performance.md).
 HISTORY_BLOCKS = 65536
 SUBSCRIBER_QUEUE = 1024  # batches (or HISTORY_BLOCKS blocks) a subscriber may lag behind before it is dropped
-LOAD_CHECK_S = 0.1  # how often an idle stream looks for a load change
+LOAD_CHECK_S = 0.1  # how often the hub's watcher looks for a load change
 HEARTBEAT_S = 1.0  # load_only heartbeat after this much silence ...
 SLOW_HEARTBEAT_S = 5.0  # ... or this much after two unchanged heartbeats
+# Concurrent SubscribeKvEvents streams: a router opens one per worker; each stream holds a
+# queue of up to SUBSCRIBER_QUEUE batches.
+MAX_SUBSCRIBERS = 256
 UINT32_MAX = 2**32 - 1
 
 
 class CursorOutOfRange(Exception):
     """A replay cursor the history cannot serve."""
+
+
+class TooManySubscribers(Exception):
+    """The hub already streams to its maximum of subscribers."""
 
 
 def to_proto_events(events: list, event_ids) -> list[common_pb2.KvCacheEvent]:
@@ -98,15 +110,17 @@ def batch_blocks(batch: common_pb2.KvEventBatch) -> int:
 
 
 class _Subscriber:
-    __slots__ = ("queue", "overflowed", "queued_blocks")
+    __slots__ = ("queue", "overflowed", "queued_blocks", "wake")
 
     def __init__(self, maxsize: int):
         self.queue: asyncio.Queue = asyncio.Queue(maxsize)
         self.overflowed = False
         self.queued_blocks = 0
+        self.wake = asyncio.Event()  # set with each batch, on overflow, and by the hub's watcher
 
     def offer(self, batch: common_pb2.KvEventBatch, blocks: int, max_blocks: int) -> bool:
         """Queue a batch; False (and overflowed) when it lags too far behind to take it."""
+        self.wake.set()
         if self.queued_blocks + blocks > max_blocks and not self.queue.empty():
             self.overflowed = True
             return False
@@ -118,14 +132,33 @@ class _Subscriber:
         self.queued_blocks += blocks
         return True
 
-    async def next(self, timeout: float) -> common_pb2.KvEventBatch | None:
-        """The next queued batch, or None after ``timeout`` seconds without one."""
-        try:
-            batch, blocks = await asyncio.wait_for(self.queue.get(), timeout)
-        except (TimeoutError, asyncio.TimeoutError):
+    async def next(self, timeout: float | None) -> common_pb2.KvEventBatch | None:
+        """The next queued batch; None when woken without one (a load change, overflow, the
+        engine's death: the caller looks) or after ``timeout`` seconds (None: no limit)."""
+        if self.queue.empty():
+            try:
+                if timeout is None:
+                    await self.wake.wait()
+                else:
+                    await asyncio.wait_for(self.wake.wait(), timeout)
+            except (TimeoutError, asyncio.TimeoutError):
+                return None
+            self.wake.clear()  # (a wake that came while batches were queued ends here, spuriously)
+        return self.take()
+
+    def take(self) -> common_pb2.KvEventBatch | None:
+        """The next queued batch, or None: no waiting."""
+        if self.queue.empty():
             return None
+        batch, blocks = self.queue.get_nowait()
         self.queued_blocks -= blocks
         return batch
+
+
+def load_key(client) -> tuple:
+    """What counts as a load change (not age, not the throughput average)."""
+    s = client.liveness.load
+    return (s.num_running, s.num_waiting, s.num_waiting_uncached_tokens, s.num_used_tokens, s.max_total_num_tokens)
 
 
 class _LoadRecords:
@@ -136,13 +169,8 @@ class _LoadRecords:
         self.sample = 0
         self.last_key = None
 
-    def key(self) -> tuple:
-        """What counts as a load change (not age, not the throughput average)."""
-        s = self.client.liveness.load
-        return (s.num_running, s.num_waiting, s.num_waiting_uncached_tokens, s.num_used_tokens, s.max_total_num_tokens)
-
     def changed(self) -> bool:
-        return self.key() != self.last_key
+        return load_key(self.client) != self.last_key
 
     def record(self, load_only: bool, telemetry: bool) -> common_pb2.EngineLoad:
         client = self.client
@@ -150,7 +178,7 @@ class _LoadRecords:
         info = client.model_info  # (None while the model loads)
         total = s.max_total_num_tokens
         self.sample += 1
-        self.last_key = self.key()
+        self.last_key = load_key(client)
         age_s = time.monotonic() - client.liveness.last_message if client.liveness.last_message else 0.0
         load = common_pb2.EngineLoad(
             running_requests=s.num_running,
@@ -181,19 +209,31 @@ class _LoadRecords:
 
 class KvEventHub:
     def __init__(
-        self, history: int = HISTORY_BATCHES, queue_size: int = SUBSCRIBER_QUEUE, history_blocks: int = HISTORY_BLOCKS
+        self,
+        history: int = HISTORY_BATCHES,
+        queue_size: int = SUBSCRIBER_QUEUE,
+        history_blocks: int = HISTORY_BLOCKS,
+        max_subscribers: int = MAX_SUBSCRIBERS,
     ):
         self.history: deque[tuple[common_pb2.KvEventBatch, int]] = deque()  # (batch, batch_blocks)
         self.history_batches = history
         self.history_blocks = history_blocks
         self._kept_blocks = 0  # sum of the history's batch_blocks
         self.queue_size = queue_size
+        self.max_subscribers = max_subscribers
         self.last_seq = 0
         # The highest batch number streamed to any subscriber: a cursor above it cannot come
         # from this run (numbers restart at 1 with the daemon), however many batches it published.
         self.sent_seq = 0
         self.subscribers: set[_Subscriber] = set()
         self._event_ids = itertools.count(1)
+        # The watcher's view of the load, and whom it wakes: every stream that sends load
+        # records when the load changes; at its next check, also those whose last record
+        # differs from its view (the load moved between their record and its check).
+        self._watcher: asyncio.Task | None = None
+        self._load_key: tuple | None = None
+        self._load_subscribers: set[_Subscriber] = set()
+        self._load_recheck: set[_Subscriber] = set()
 
     # -- publisher side (called from the client's read loop) ----------------------------
     def publish(self, msg: KvEvents) -> common_pb2.KvEventBatch | None:
@@ -212,12 +252,17 @@ class KvEventHub:
             self._kept_blocks -= self.history.popleft()[1]
         for sub in list(self.subscribers):
             if not sub.offer(batch, blocks, self.history_blocks):
-                self.subscribers.discard(sub)
+                self.unsubscribe(sub)
         return batch
 
     # -- subscriber side ------------------------------------------------------------------
     def subscribe(self, start: int) -> tuple[_Subscriber, list[common_pb2.KvEventBatch]]:
         """Register a subscriber; returns it with the batches to replay first (seq > start)."""
+        if len(self.subscribers) >= self.max_subscribers:
+            raise TooManySubscribers(
+                f"this server already streams KV events to {len(self.subscribers)} subscribers "
+                f"(at most {self.max_subscribers}); close one or retry later"
+            )
         replay: list[common_pb2.KvEventBatch] = []
         if start:
             if start > self.sent_seq:
@@ -237,6 +282,36 @@ class KvEventHub:
 
     def unsubscribe(self, sub: _Subscriber) -> None:
         self.subscribers.discard(sub)
+        self._load_subscribers.discard(sub)
+        self._load_recheck.discard(sub)
+
+    def _sent_load(self, sub: _Subscriber, key: tuple) -> None:
+        """``sub`` streams load records and just sent one for ``key``."""
+        self._load_subscribers.add(sub)
+        if key != self._load_key:
+            self._load_recheck.add(sub)
+
+    def _start_watcher(self, client) -> None:
+        if self._watcher is None or self._watcher.done():
+            self._load_key = load_key(client)
+            self._watcher = asyncio.get_running_loop().create_task(self._watch(client))
+
+    async def _watch(self, client) -> None:
+        """Wake streams when the load changes or the engine dies: one check per LOAD_CHECK_S
+        for all of them, while any are open."""
+        while self.subscribers:
+            await asyncio.sleep(LOAD_CHECK_S)
+            if client.died.is_set():
+                for sub in self.subscribers:
+                    sub.wake.set()
+                return
+            key = load_key(client)
+            woken, self._load_recheck = self._load_recheck, set()
+            if key != self._load_key:
+                self._load_key = key
+                woken = self._load_subscribers
+            for sub in woken:
+                sub.wake.set()
 
     async def stream(self, request, context, client):
         """The KvEventBatch messages of one SubscribeKvEvents call."""
@@ -245,18 +320,21 @@ class KvEventHub:
             sub, replay = self.subscribe(start)
         except CursorOutOfRange as e:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
+        except TooManySubscribers as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         # Registered before the headers go out: a client that has them misses no batch.
         try:
             await context.send_initial_metadata(())
         except BaseException:
             self.unsubscribe(sub)
             raise
-        logger.info(
+        logger.debug(
             "KV event subscriber joined (cursor %d, %d batch(es) to replay, %d subscriber(s))",
             start,
             len(replay),
             len(self.subscribers),
         )
+        self._start_watcher(client)
         loads = _LoadRecords(client)
         first = True
         last_seq = start  # what load_only batches repeat; 0 until the stream's first batch
@@ -265,6 +343,7 @@ class KvEventHub:
         try:
             for batch in replay:
                 yield self._with_load(batch, loads.record(load_only=False, telemetry=first))
+                self._sent_load(sub, loads.last_key)
                 first = False
                 last_seq = batch.sequence_number
                 self.sent_seq = max(self.sent_seq, last_seq)
@@ -278,31 +357,34 @@ class KvEventHub:
                     )
                 if client.died.is_set():
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {client.dead_reason}")
-                batch = await sub.next(LOAD_CHECK_S)
-                now = time.monotonic()
-                if batch is not None:
-                    if sub.overflowed:
-                        continue  # report DATA_LOSS rather than a stream with a hole
-                    yield self._with_load(batch, loads.record(load_only=False, telemetry=first))
-                    first = False
-                    last_seq = batch.sequence_number
-                    self.sent_seq = max(self.sent_seq, last_seq)
-                    last_sent, unchanged_heartbeats = now, 0
-                    continue
-                if last_seq == 0 and not request.load_records_before_first_batch:
-                    continue  # older subscribers get load records only with real batches
-                changed = loads.changed()
-                interval = SLOW_HEARTBEAT_S if unchanged_heartbeats >= 2 else HEARTBEAT_S
-                if not changed and now - last_sent < interval:
-                    continue
-                unchanged_heartbeats = 0 if changed else unchanged_heartbeats + 1
-                record = loads.record(load_only=True, telemetry=first or not changed)
+                batch = sub.take()
+                # Older subscribers get load records only with real batches until the first one.
+                if batch is None and (last_seq or request.load_records_before_first_batch):
+                    changed = loads.changed()
+                    interval = SLOW_HEARTBEAT_S if unchanged_heartbeats >= 2 else HEARTBEAT_S
+                    due_in = last_sent + interval - time.monotonic()
+                    if changed or due_in <= 0:
+                        unchanged_heartbeats = 0 if changed else unchanged_heartbeats + 1
+                        record = loads.record(load_only=True, telemetry=first or not changed)
+                        first = False
+                        yield common_pb2.KvEventBatch(sequence_number=last_seq, timestamp=time.time(), load=record)
+                        self._sent_load(sub, loads.last_key)
+                        last_sent = time.monotonic()
+                        continue
+                    batch = await sub.next(due_in)
+                elif batch is None:
+                    batch = await sub.next(None)
+                if batch is None or sub.overflowed:
+                    continue  # woken, or timed out, without a batch; (overflowed: DATA_LOSS, not a hole)
+                yield self._with_load(batch, loads.record(load_only=False, telemetry=first))
+                self._sent_load(sub, loads.last_key)
                 first = False
-                yield common_pb2.KvEventBatch(sequence_number=last_seq, timestamp=time.time(), load=record)
-                last_sent = now
+                last_seq = batch.sequence_number
+                self.sent_seq = max(self.sent_seq, last_seq)
+                last_sent, unchanged_heartbeats = time.monotonic(), 0
         finally:
             self.unsubscribe(sub)
-            logger.info("KV event subscriber left (%d subscriber(s))", len(self.subscribers))
+            logger.debug("KV event subscriber left (%d subscriber(s))", len(self.subscribers))
 
     @staticmethod
     def _with_load(batch: common_pb2.KvEventBatch, load: common_pb2.EngineLoad) -> common_pb2.KvEventBatch:
