@@ -107,8 +107,8 @@ def test_check_answers_the_state_and_refuses_an_unknown_service():
 
 
 def test_watch_sends_the_status_then_each_change_only():
-    health, client = serving_state()
-    servicer = HealthServicer(health, watch_interval=0.01)
+    health, client = serving_state(recheck_interval=0.01)
+    servicer = HealthServicer(health)
 
     async def scenario():
         stream = servicer.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME), Context())
