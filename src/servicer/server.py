@@ -40,6 +40,11 @@ GRPC_OPTIONS = [
     # (--max-queued-requests answers RESOURCE_EXHAUSTED, which the router retries).
     ("grpc.server.max_pending_requests", 1 << 16),
     ("grpc.server.max_pending_requests_hard_limit", 1 << 17),
+    # Streams per HTTP/2 connection (gRPC's default: no limit). The router multiplexes all
+    # its calls to us over a few connections, so this sits far above what one carries in
+    # use (running and queued Generates, one KV event stream, a health Watch); a client
+    # past it waits for a free stream rather than failing.
+    ("grpc.max_concurrent_streams", 8192),
 ]
 WARMUP_PROMPT = [123, 456, 789, 234, 567, 890, 345]
 
