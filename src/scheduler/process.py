@@ -364,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         loop.run()
     except Exception as e:
         logger.error("scheduler loop crashed: %s\n%s", e, traceback.format_exc())
-        send(EngineDead(f"scheduler crashed: {type(e).__name__}: {e}"))
+        # (clients see this reason: the exception's text stays in the log)
+        send(EngineDead(f"the scheduler crashed ({type(e).__name__}); the daemon's log has the traceback"))
         _close_sockets(ctx, inbox, outbox, heartbeat)
         return 1
     writing = loop.profiler.writing

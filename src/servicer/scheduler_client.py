@@ -295,7 +295,7 @@ class SchedulerClient:
             raise
         except Exception as e:  # a bug here would leave every request waiting for the watchdog
             logger.exception("reading the scheduler's messages failed")
-            self.kill(f"the servicer could not read the scheduler's messages: {type(e).__name__}: {e}")
+            self.kill(f"the servicer could not read the scheduler's messages ({type(e).__name__})")
             self._mark_dead(self.dead_reason)
 
     def _dispatch(self, msg) -> None:
