@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from scheduler.config import EngineConfig
 from scheduler.messages import AddRequest, SamplingParams
 
+from .error_guard import InternalErrorGuard
 from .generated import sglang_scheduler_pb2 as pb
 from .generated import sglang_scheduler_pb2_grpc as pb_grpc
 from .health import HealthServicer, HealthState
@@ -95,7 +96,7 @@ async def warm_up(client: SchedulerClient, timeout: float = 120.0) -> None:
 
 def _build_server(service: SglangSchedulerService, health_servicer: HealthServicer) -> grpc.aio.Server:
     """The SGLang scheduler service, grpc.health.v1 and reflection on one server."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[InternalErrorGuard()])
     pb_grpc.add_SglangSchedulerServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
