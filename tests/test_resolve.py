@@ -34,9 +34,10 @@ def test_cpu_defaults_come_from_the_table():
     per_token = 2 * MODEL.num_layers * MODEL.num_kv_heads * MODEL.head_dim * 4
     assert rc.num_kv_blocks == 2**31 // (per_token * rc.block_size)  # the table's 2GiB
     assert rc.served_model_name == "smollm2" and rc.speculative_algorithm == "none"
-    # nothing left undecided ("no limit" is the one None a user can mean)
+    assert rc.max_queued_requests == 4 * row.max_running_requests
+    # nothing left undecided
     left = {f.name for f in dataclasses.fields(rc) if getattr(rc, f.name) in (None, "auto")}
-    assert left == {"max_queued_requests"}
+    assert left == set()
     with pytest.raises(dataclasses.FrozenInstanceError):
         rc.max_model_len = 1
 

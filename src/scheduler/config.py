@@ -28,7 +28,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_cache_tokens: int | None = None  # KV capacity in tokens; None = from kv_cache_memory
     kv_cache_memory: str | None = None  # e.g. "2GiB"; None = the device's default budget
     max_running_requests: int | None = None  # None = per-device default
-    max_queued_requests: int | None = None  # waiting beyond free running slots; None = no limit
+    max_queued_requests: int | None = None  # waiting beyond free running slots; None = 4 x max_running_requests
     max_num_batched_tokens: int | None = None  # step token budget; None = per-device default
     # prompts with more tokens left prefill in chunks of at most this many, one at a time, so
     # shorter ones start meanwhile; None = half the step budget, 0 = off (vLLM's default)

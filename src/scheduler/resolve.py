@@ -58,7 +58,7 @@ class ResolvedConfig:
     num_kv_blocks: int  # the null block included
     max_model_len: int
     max_running_requests: int
-    max_queued_requests: int | None  # None: no limit
+    max_queued_requests: int
     max_num_batched_tokens: int
     long_prefill_token_threshold: int  # 0: off
     enable_prefix_caching: bool
@@ -93,6 +93,17 @@ def resolve_platform(config: EngineConfig) -> Platform:
     return Platform(device, dtype, backend, config.num_threads or os.cpu_count() or 1)
 
 
+# Waiting requests per running slot when --max-queued-requests is unset: the queue holds a
+# few batches' worth (beyond that a request waits several whole generations, and the router
+# does better to retry RESOURCE_EXHAUSTED elsewhere), and running + queued still takes one
+# call of n = 1024 (the most request conversion allows) at the accelerators' 256 slots.
+QUEUED_PER_RUNNING_SLOT = 4
+
+
+def _max_queued_requests(asked: int | None, running: int) -> int:
+    return QUEUED_PER_RUNNING_SLOT * running if asked is None else asked
+
+
 def resolve(
     config: EngineConfig, model: ModelConfig, weight_bytes: int, packed: bool = False, platform: Platform | None = None
 ) -> ResolvedConfig:
@@ -125,7 +136,7 @@ def resolve(
         num_kv_blocks=num_kv_blocks,
         max_model_len=max_model_len,
         max_running_requests=running,
-        max_queued_requests=config.max_queued_requests,
+        max_queued_requests=_max_queued_requests(config.max_queued_requests, running),
         max_num_batched_tokens=budget,
         long_prefill_token_threshold=budget // 2 if threshold is None else threshold,
         enable_prefix_caching=config.enable_prefix_caching,

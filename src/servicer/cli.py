@@ -114,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_number(int, 0),
         default=e.max_queued_requests,
         help="most requests waiting beyond the free running slots; more are refused with "
-        "RESOURCE_EXHAUSTED, which the router retries (default: no limit)",
+        "RESOURCE_EXHAUSTED, which the router retries (default: 4 x --max-running-requests: a few "
+        "batches' worth, which bounds the memory queued requests take and still admits one call of n=1024 "
+        "at 256 running slots)",
     )
     p.add_argument(
         "--max-num-batched-tokens",

@@ -20,6 +20,12 @@ MAX_STOP_CHARS = 512
 # sampler state there): bound them so n x entries stays modest (OpenAI allows 300 biases).
 MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# Every sequence of a call carries the request id (and the scheduler keeps it per sequence):
+# the router sends UUIDs, so a few hundred characters leave room for any prefix.
+MAX_REQUEST_ID_CHARS = 256
+# A constraint compiles in a worker process and its grammar is cached: the biggest tool
+# schemas are a few KiB, so this bounds the compile's input without refusing real ones.
+MAX_CONSTRAINT_CHARS = 64 * 2**10
 
 
 class InvalidRequest(ValueError):
@@ -91,6 +97,10 @@ def normalize_sampling(sp, vocab_size: int | None = None) -> SamplingParams:
         logit_bias[token] = min(max(float(value), -100.0), 100.0)  # OpenAI's range, as vLLM clamps
     constraint_kind = sp.WhichOneof("constraint") or ""
     constraint = getattr(sp, constraint_kind) if constraint_kind else ""
+    if len(constraint) > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequest(
+            f"sampling_params.{constraint_kind} has {len(constraint)} characters; the most is {MAX_CONSTRAINT_CHARS}"
+        )
     if constraint_kind and not constraint.strip():
         raise InvalidRequest(f"sampling_params.{constraint_kind} is empty")
     return SamplingParams(
@@ -118,7 +128,7 @@ def reject_unsupported(request) -> None:
     """Fields this server cannot honour: an error rather than a silently different answer."""
     if request.lora_id:
         raise InvalidRequest(
-            f"LoRA adapter {request.lora_id!r} is not loaded (this server serves the base model only)", "NOT_FOUND"
+            f"LoRA adapter {request.lora_id[:64]!r} is not loaded (this server serves the base model only)", "NOT_FOUND"
         )
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
         raise InvalidRequest(f"data_parallel_rank {request.data_parallel_rank} does not exist (one rank: 0)")
@@ -136,8 +146,11 @@ def reject_unsupported(request) -> None:
 
 def to_add_request(request, model_info: ModelInfo) -> AddRequest:
     """Validate a GenerateRequest against the model and build the scheduler message."""
-    if not request.request_id:
+    rid = request.request_id
+    if not rid:
         raise InvalidRequest("request_id is empty")
+    if len(rid) > MAX_REQUEST_ID_CHARS or not rid.isprintable():
+        raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters")
     reject_unsupported(request)
     n = request.sampling_params.n
     if n > MAX_N:
@@ -154,6 +167,15 @@ def to_add_request(request, model_info: ModelInfo) -> AddRequest:
     limit = model_info.max_context_length
     if num_ids >= limit:  # before copying or scanning it; the scheduler's admission checks the rest
         raise InvalidRequest(f"the prompt has {num_ids} tokens; the context limit is {limit} (prompt must be shorter)")
+    # Each of the n sequences is its own copy of the prompt in the scheduler's queue. A call
+    # may queue at most what the KV cache holds (what the engine could ever hold of it at once;
+    # one prompt up to the context limit always, even beside a smaller cache).
+    most = max(model_info.max_total_num_tokens, limit - 1)
+    if max(n, 1) * num_ids > most:
+        raise InvalidRequest(
+            f"sampling_params.n={n} copies of a {num_ids}-token prompt are {n * num_ids} tokens; "
+            f"one call may queue at most {most} (the KV cache's capacity)"
+        )
     input_ids = list(request.tokenized.input_ids)
     vocab = model_info.vocab_size
     bad = out_of_vocabulary(input_ids, vocab)
