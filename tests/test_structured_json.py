@@ -52,6 +52,21 @@ def test_json_schema_output_parses_and_has_the_required_keys(loaded):
         assert "\n" not in text, texts
 
 
+def compiled_matcher(engine, spec: str):
+    """The matcher a request with this json_schema gets (through the engine's compile workers)."""
+    import time
+    from types import SimpleNamespace
+
+    engine.grammars.submit(SimpleNamespace(request_id=spec), "json_schema", spec)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        done = engine.grammars.poll(wait_briefly=True)
+        assert not done.refused, done.refused
+        if done.ready:
+            return done.ready[0][1]
+    raise AssertionError("the grammar never compiled")
+
+
 @pytest.mark.parametrize("any_whitespace", [False, True])
 def test_the_whitespace_setting_decides_what_json_the_grammar_accepts(loaded, any_whitespace):
     """Both settings compile, json_schema and the router's json_object ({"type": "object"});
@@ -59,6 +74,7 @@ def test_the_whitespace_setting_decides_what_json_the_grammar_accepts(loaded, an
     config = EngineConfig(device="cpu", kv_cache_tokens=256, constrained_json_any_whitespace=any_whitespace)
     engine = Engine(config, ModelRunner(config, loaded))
     for spec, text in ((json.dumps(SCHEMA), '{\n  "name"'), ('{"type": "object"}', '{\n  "a"')):
-        matcher = engine.grammars._start("json_schema", spec).result(timeout=120)  # as a request's compile
+        matcher = compiled_matcher(engine, spec)
         assert matcher.accept_string(text[0])
         assert matcher.accept_string(text[1:]) == any_whitespace
+    engine.grammars.close()

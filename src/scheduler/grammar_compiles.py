@@ -1,44 +1,77 @@
-"""Structured-output grammars compiling beside the step loop.
+"""Structured-output grammars compiling beside the step loop, in processes of their own.
 
-A compile can take seconds (the first one also builds the vocabulary's tables), so the
-request waits held in the scheduler while its grammar compiles on a worker thread, and
-the engine collects the finished ones between steps. Compiles cannot be interrupted: one
-past its time limit, or of a cancelled request, is *abandoned* (left to finish unheeded)
-and the compiles queued behind it restart on fresh threads.
+A compile can take seconds (the first one also builds the vocabulary's tables, and some
+small specs, long repetition counts, compile for minutes), and xgrammar cannot interrupt
+one. So the request waits held in the scheduler while its grammar compiles in one of
+NUM_WORKERS worker processes, and the engine collects the finished ones between steps. A
+compile past its time limit, or of a cancelled request, is stopped by killing its worker; a
+fresh worker takes its place, so no compile outlives its request or its limit, and none
+keeps other clients' grammars waiting for longer than the limit.
+
+Workers hand back the compiled grammar serialised; the engine keeps the compiled grammars
+(bounded in bytes), so a repeated spec compiles once.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+import weakref
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import Pipe
+from multiprocessing.connection import wait
 
 from .messages import CONSTRAINT_FAILED
 from .request import Request
-from .scheduler import AdmissionError
 
 logger = logging.getLogger(__name__)
 
 GRAMMAR_WAIT_S = 0.005  # an engine with nothing but compiling grammars waits this long per poll
-# Abandoned compiles keep a core busy: past this many still running, structured output is
-# refused until some end.
-MAX_ABANDONED_COMPILES = 2
-NUM_THREADS = 2
+NUM_WORKERS = 2  # compiles at once (each worker compiles on one thread)
+_SRC = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds the scheduler package
+_UNAVAILABLE = "structured output is unavailable (the daemon's log says why)"
 
 
-def _compile_grammar(
-    model_path: str, vocab_size: int, eos_ids: list[int], kind: str, spec: str, json_any_whitespace: bool = False
-):
-    """On a worker thread (xgrammar compiles without the GIL): the request's matcher."""
-    from .grammar import GrammarBackend, GrammarError
+class _Worker:
+    """One compile process (scheduler.grammar.serve_compiles) and its end of their pipe."""
 
-    try:
-        return GrammarBackend.get(model_path, vocab_size, eos_ids).matcher(kind, spec, json_any_whitespace)
-    except GrammarError as e:
-        raise AdmissionError(CONSTRAINT_FAILED, str(e)) from e
-    except Exception as e:  # noqa: BLE001  (no xgrammar / tokenizer)
-        raise AdmissionError("FAILED_PRECONDITION", f"structured output is unavailable: {e}") from e
+    def __init__(self, model_path: str, vocab_size: int, eos_ids: list[int]):
+        self.conn, child = Pipe()
+        args = json.dumps([model_path, vocab_size, eos_ids, child.fileno(), os.getpid()])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (_SRC, os.environ.get("PYTHONPATH")) if p)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "from scheduler.grammar import worker_main; worker_main()", args],
+            pass_fds=(child.fileno(),),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        child.close()
+        self.ready = False  # it has loaded the tokenizer and waits for compiles
+        self.job: _Compile | None = None
+
+    def reply(self):
+        """Its next message if one waits, else None; ("died", "") once the process is gone."""
+        try:
+            return self.conn.recv() if self.conn.poll() else None
+        except (EOFError, OSError):
+            return ("died", "")
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.conn.close()
+
+
+def _kill_all(workers: list[_Worker]) -> None:
+    for w in workers:
+        w.kill()
+    workers.clear()
 
 
 @dataclass
@@ -46,8 +79,8 @@ class _Compile:
     request: Request
     kind: str  # json_schema | regex | ebnf_grammar | structural_tag
     spec: str
-    future: Future
-    started: float | None = None  # monotonic time it was first seen compiling (not queued)
+    worker: _Worker | None = None  # the worker compiling it; None while queued
+    started: float | None = None  # monotonic time it was handed to its worker
 
 
 @dataclass
@@ -59,6 +92,31 @@ class Compiled:
     refused: list[tuple[Request, str, str]]
 
 
+class _CompiledGrammars:
+    """Compiled grammars by (kind, spec, json_any_whitespace), least recently used dropped
+    first past ``limit_bytes``: every tool-calling request may bring its own schema."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = limit_bytes
+        self.size_bytes = 0
+        self._entries: OrderedDict[tuple, object] = OrderedDict()
+
+    def get(self, key: tuple):
+        compiled = self._entries.get(key)
+        if compiled is not None:
+            self._entries.move_to_end(key)
+        return compiled
+
+    def put(self, key: tuple, compiled) -> None:
+        if key in self._entries:
+            return
+        self._entries[key] = compiled
+        self.size_bytes += compiled.memory_size_bytes
+        while self.size_bytes > self.limit_bytes and len(self._entries) > 1:
+            _, old = self._entries.popitem(last=False)
+            self.size_bytes -= old.memory_size_bytes
+
+
 class GrammarCompiles:
     def __init__(
         self,
@@ -67,89 +125,159 @@ class GrammarCompiles:
         eos_ids: list[int],
         timeout_s: float,
         json_any_whitespace: bool = False,  # EngineConfig.constrained_json_any_whitespace
+        cache_limit_bytes: int | None = None,
     ):
-        self._target = (model_path, vocab_size, eos_ids)
+        from .grammar import GRAMMAR_CACHE_BYTES
+
+        self._target = (model_path, vocab_size, list(eos_ids))
         self.json_any_whitespace = json_any_whitespace
         self.timeout_s = timeout_s
-        self.jobs: dict[str, _Compile] = {}  # by request id
-        self._threads: ThreadPoolExecutor | None = None
-        self.abandoned: set[Future] = set()  # abandoned and still running (each removes itself)
+        self.jobs: dict[str, _Compile] = {}  # by request id, in arrival order
+        self.workers: list[_Worker] = []
+        self._finalizer = weakref.finalize(self, _kill_all, self.workers)
+        self.cache = _CompiledGrammars(GRAMMAR_CACHE_BYTES if cache_limit_bytes is None else cache_limit_bytes)
+        self._backend: Future | None = None  # this process's GrammarBackend (its tokenizer info)
+        self._cached: list[tuple[Request, object]] = []  # cache hits for the next poll
 
     def __bool__(self) -> bool:
-        return bool(self.jobs)
+        return bool(self.jobs or self._cached)
 
     def check_room(self) -> None:
-        """Raises AdmissionError while too many abandoned compiles still run."""
-        if len(self.abandoned) >= MAX_ABANDONED_COMPILES:
-            raise AdmissionError(
-                "RESOURCE_EXHAUSTED",
-                f"{len(self.abandoned)} abandoned grammar compiles "
-                "(past --grammar-compile-timeout, or of cancelled requests) still run; structured "
-                "output is refused until they end",
-            )
+        """Nothing to refuse for: a compile never outlives its time limit or its request."""
 
     def submit(self, request: Request, kind: str, spec: str) -> None:
-        self.jobs[request.request_id] = _Compile(request, kind, spec, self._start(kind, spec))
+        backend = self._start_backend()
+        if backend.done() and backend.exception() is None:
+            compiled = self.cache.get(self._key(kind, spec))
+            if compiled is not None:
+                self._cached.append((request, backend.result().matcher_for(compiled)))
+                return
+        self.jobs[request.request_id] = _Compile(request, kind, spec)
+        self._dispatch()
 
     def cancel(self, request_id: str) -> None:
+        self._cached = [(r, m) for r, m in self._cached if r.request_id != request_id]
         job = self.jobs.pop(request_id, None)
-        if job is not None and not job.future.done() and not job.future.cancel():
-            # Already compiling: it would keep a grammar thread as long as it runs, outside
-            # the time limit (that counts for held requests only) and the overrun cap.
-            self._disown(job.future)
-            self._renew_threads("a cancelled request's grammar was still compiling")
+        if job is None or job.worker is None:
+            return
+        w, job.worker.job = job.worker, None
+        message = w.reply()
+        if message is not None and message[0] in ("ok", "error"):  # it had finished: the worker stays
+            self._keep(job, message)
+            self._dispatch()
+            return
+        self._stop(w, "a cancelled request's grammar was still compiling")
+
+    def close(self) -> None:
+        self._finalizer()
 
     def poll(self, wait_briefly: bool = False) -> Compiled:
         """Take the finished compiles and refuse those that compiled for longer than the
         time limit. ``wait_briefly``: nothing else to do, so wait a moment for one."""
-        if wait_briefly:
-            wait([job.future for job in self.jobs.values()], timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
-        result = Compiled([], [])
-        now, timed_out = time.monotonic(), False
+        result, self._cached = Compiled(self._cached, []), []
+        if not self.jobs:
+            self._receive(result)  # (workers starting say when they are ready)
+            return result
+        if wait_briefly and not result.ready:
+            wait([w.conn for w in self.workers], timeout=GRAMMAR_WAIT_S)
+        backend = self._start_backend()
+        if backend.done() and backend.exception() is not None:
+            logger.error("structured output is unavailable: %s", backend.exception())
+            self._backend = None  # the next constrained request tries again
+            result.refused += [(job.request, "FAILED_PRECONDITION", _UNAVAILABLE) for job in self.jobs.values()]
+            self.jobs.clear()
+            return result
+        self._receive(result)
+        now = time.monotonic()
         for rid, job in list(self.jobs.items()):
-            if job.future.done():
-                del self.jobs[rid]
-                try:
-                    result.ready.append((job.request, job.future.result()))
-                except AdmissionError as e:
-                    result.refused.append((job.request, e.code, str(e)))
-            elif job.started is None:
-                if job.future.running():  # the limit counts from here, not from the queue
-                    job.started = now
-            elif now - job.started > self.timeout_s:
+            if job.started is not None and now - job.started > self.timeout_s:
                 del self.jobs[rid]
                 result.refused.append(
                     (
                         job.request,
                         CONSTRAINT_FAILED,
-                        f"the {job.kind} constraint did not "
-                        f"compile within {self.timeout_s:g} s (--grammar-compile-timeout); simplify it",
+                        f"the {job.kind} constraint did not compile within {self.timeout_s:g} s "
+                        "(--grammar-compile-timeout); simplify it",
                     )
                 )
-                self._disown(job.future)
-                timed_out = True
-        if timed_out:
-            self._renew_threads("a grammar compile overran its time limit")
+                self._stop(job.worker, "a grammar compile overran its time limit")
+        self._dispatch()
         return result
 
-    def _start(self, kind: str, spec: str) -> Future:
-        if self._threads is None:
-            self._threads = ThreadPoolExecutor(max_workers=NUM_THREADS, thread_name_prefix="grammar")
-        return self._threads.submit(_compile_grammar, *self._target, kind, spec, self.json_any_whitespace)
+    # -- workers -----------------------------------------------------------------------
+    def _start_backend(self) -> Future:
+        """This process builds the vocabulary's tables too (to rebuild the compiled grammars
+        the workers send), on a thread: it takes seconds."""
+        if self._backend is None:
+            from .grammar import GrammarBackend
 
-    def _disown(self, future: Future) -> None:
-        """A compile nobody waits for any more, still running: counted until it ends."""
-        self.abandoned.add(future)
-        future.add_done_callback(self.abandoned.discard)  # (on its thread: set ops are atomic)
+            pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+            self._backend = pool.submit(GrammarBackend.get, *self._target)
+            pool.shutdown(wait=False)
+        return self._backend
 
-    def _renew_threads(self, why: str) -> None:
-        """Leave the disowned compiles to finish on the old threads, and restart the ones
-        queued behind them on new threads, so one pathological grammar delays the others
-        by at most the time limit."""
-        old, self._threads = self._threads, None
-        if old is not None:
-            old.shutdown(wait=False)
-        logger.warning("%s; its thread is left to finish unheeded", why)
+    def _key(self, kind: str, spec: str) -> tuple:
+        return (kind, spec, self.json_any_whitespace and kind == "json_schema")
+
+    def _receive(self, result: Compiled) -> None:
+        for w in list(self.workers):
+            message = w.reply()
+            if message is None:
+                continue
+            status, payload = message
+            if status == "ready":
+                w.ready = True
+            elif status in ("ok", "error"):
+                job, w.job = w.job, None
+                if job is not None and self.jobs.get(job.request.request_id) is job:
+                    del self.jobs[job.request.request_id]
+                    self._keep(job, message, result)
+            else:  # "unavailable" (it could not start), or "died" (crashed or killed)
+                job = w.job
+                self._stop(w, f"a grammar compile worker ended ({status})")
+                if job is not None and self.jobs.pop(job.request.request_id, None) is not None:
+                    result.refused.append(
+                        (job.request, CONSTRAINT_FAILED, f"the {job.kind} constraint failed to compile")
+                    )
+                elif not w.ready:  # none can start: refuse rather than hold requests for ever
+                    queued = [job for job in self.jobs.values() if job.worker is None]
+                    result.refused += [(job.request, "FAILED_PRECONDITION", _UNAVAILABLE) for job in queued]
+                    for job in queued:
+                        del self.jobs[job.request.request_id]
+
+    def _keep(self, job: _Compile, message: tuple, result: Compiled | None = None) -> None:
+        """A worker's answer: cache a compiled grammar, hand it (or the refusal) to ``result``."""
+        import xgrammar as xgr
+
+        status, payload = message
+        if status == "error":
+            if result is not None:
+                result.refused.append((job.request, CONSTRAINT_FAILED, payload))
+            return
+        backend = self._backend.result()
+        compiled = xgr.CompiledGrammar.deserialize_json(payload, backend.info)
+        self.cache.put(self._key(job.kind, job.spec), compiled)
+        if result is not None:
+            result.ready.append((job.request, backend.matcher_for(compiled)))
+
+    def _dispatch(self) -> None:
+        """Start the missing workers, and hand queued compiles to the idle ready ones."""
+        while len(self.workers) < NUM_WORKERS:
+            self.workers.append(_Worker(*self._target))
+        backend = self._backend
+        if backend is None or not backend.done() or backend.exception() is not None:  # (to take the answers)
+            return
+        idle = [w for w in self.workers if w.ready and w.job is None]
         for job in self.jobs.values():
-            if job.future.cancel():  # not started yet
-                job.future, job.started = self._start(job.kind, job.spec), None
+            if not idle:
+                break
+            if job.worker is None:
+                w = idle.pop(0)
+                w.conn.send((job.kind, job.spec, self.json_any_whitespace))
+                job.worker, w.job, job.started = w, job, time.monotonic()
+
+    def _stop(self, w: _Worker, why: str) -> None:
+        w.kill()
+        self.workers.remove(w)
+        logger.warning("%s; its worker (pid %d) is stopped and a new one started", why, w.process.pid)
+        self._dispatch()
