@@ -63,6 +63,10 @@ def test_a_huge_request_id_is_refused_before_anything_grows(daemon, grpc_stub):
         assert after[pid] - size < 64 * 2**20, (pid, size, after[pid])
     e = refusal(grpc_stub, request(PROMPT, rid="line\nbreak"))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "printable" in e.details()
+    # an Abort for an id not (yet) running is remembered for a while: its id is bounded too
+    with pytest.raises(grpc.RpcError) as ei:
+        grpc_stub.Abort(pb.AbortRequest(request_id="x" * 2**20, reason="test"), timeout=TIMEOUT)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in ei.value.details()
 
 
 def test_n_copies_of_a_prompt_beyond_the_kv_capacity_are_refused(grpc_stub):

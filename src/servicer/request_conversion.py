@@ -144,13 +144,17 @@ def reject_unsupported(request) -> None:
             raise InvalidRequest(f"{name} is not supported by this server (text-only, one engine)")
 
 
-def to_add_request(request, model_info: ModelInfo) -> AddRequest:
-    """Validate a GenerateRequest against the model and build the scheduler message."""
-    rid = request.request_id
+def check_request_id(rid: str) -> None:
+    """InvalidRequest unless ``rid`` is a usable id (checked first: the message never echoes it)."""
     if not rid:
         raise InvalidRequest("request_id is empty")
     if len(rid) > MAX_REQUEST_ID_CHARS or not rid.isprintable():
         raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters")
+
+
+def to_add_request(request, model_info: ModelInfo) -> AddRequest:
+    """Validate a GenerateRequest against the model and build the scheduler message."""
+    check_request_id(request.request_id)
     reject_unsupported(request)
     n = request.sampling_params.n
     if n > MAX_N:

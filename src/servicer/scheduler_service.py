@@ -22,7 +22,7 @@ from .generated import sglang_scheduler_pb2 as pb
 from .generated import sglang_scheduler_pb2_grpc as pb_grpc
 from .health import HealthState
 from .kv_events import KvEventHub
-from .request_conversion import MAX_SEED, InvalidRequest, to_add_request
+from .request_conversion import MAX_SEED, InvalidRequest, check_request_id, to_add_request
 from .scheduler_client import SchedulerClient, SchedulerUnavailable
 from .tokenizer_bundle import UnshippableFile, build_bundle, chunks
 
@@ -144,6 +144,10 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             self.client.submit(child, queue)
 
     async def Abort(self, request, context):
+        try:  # (an early abort is remembered: no id may cost more than a Generate's would)
+            check_request_id(request.request_id)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         ids = self.children.get(request.request_id, [request.request_id])
         found = [cid for cid in ids if self.client.abort(cid, request.reason)]
         if found:
