@@ -57,4 +57,4 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/bench_w64.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) src/servicer/generated/*_pb2*.py* build *.egg-info src/*.egg-info
+	rm -rf $(VENV) src/servicer/generated/*_pb2*.py* build *.egg-info src/*.egg-info bench/.vllm-venv bench/.cache
