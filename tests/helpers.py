@@ -293,12 +293,18 @@ class Daemon(_ManagedProcess):
         self.startup_s = time.monotonic() - t0
         return self
 
+    def channel(self):
+        """A new gRPC channel to the daemon."""
+        import grpc
+
+        return grpc.insecure_channel(self.address)
+
     def health_status(self, service: str = "", timeout: float = 2.0) -> str | None:
         """The grpc.health.v1 status name, or None when the call fails."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        with grpc.insecure_channel(self.address) as ch:
+        with self.channel() as ch:
             try:
                 resp = health_pb2_grpc.HealthStub(ch).Check(
                     health_pb2.HealthCheckRequest(service=service), timeout=timeout

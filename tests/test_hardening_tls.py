@@ -140,15 +140,8 @@ class MtlsDaemon(Daemon):
         super().__init__(extra_args=tls + ["--ssl-ca-certs", str(pki.ca)], **kwargs)
         self.pki = pki
 
-    def health_status(self, service: str = "", timeout: float = 2.0) -> str | None:
-        with grpc.secure_channel(self.address, client_credentials(self.pki, self.pki.client)) as ch:
-            try:
-                resp = health_pb2_grpc.HealthStub(ch).Check(
-                    health_pb2.HealthCheckRequest(service=service), timeout=timeout
-                )
-            except grpc.RpcError:
-                return None
-            return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    def channel(self):
+        return grpc.secure_channel(self.address, client_credentials(self.pki, self.pki.client))
 
 
 @pytest.fixture(scope="module")

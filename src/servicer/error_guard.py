@@ -38,9 +38,8 @@ def _guard(behavior, method: str):
                     yield response
             except grpc.aio.AbortError:
                 raise
-            except Exception:
-                logger.exception("%s failed", method)
-                await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+            except Exception as e:
+                await _internal_error(context, method, e)
 
         return guarded_stream
 
@@ -49,8 +48,12 @@ def _guard(behavior, method: str):
             return await behavior(request, context)
         except grpc.aio.AbortError:
             raise
-        except Exception:
-            logger.exception("%s failed", method)
-            await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+        except Exception as e:
+            await _internal_error(context, method, e)
 
     return guarded
+
+
+async def _internal_error(context, method: str, error: Exception) -> None:
+    logger.error("%s failed", method, exc_info=error)
+    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
