@@ -239,7 +239,6 @@ def test_a_grammar_compiling_past_its_time_limit_is_refused_and_delays_no_other(
         assert_no_leak(engine)
         # The overrunning compiles are stopped, not left running: new constraints are served
         assert not any(_alive(pid) for pid in stuck_pids)
-        engine.grammars.check_room()
         assert engine.generate([prompts(1, seed=7)[0]], GOOD)[0].finish_reason == "stop"
     finally:
         resume()
@@ -276,6 +275,23 @@ def test_a_cancelled_request_compiling_its_grammar_holds_no_worker(loaded):
         assert_no_leak(engine)
     finally:
         resume()
+        engine.grammars.close()
+
+
+def test_compile_workers_that_died_idle_are_replaced(loaded):
+    """A worker killed while idle (the OOM killer, an operator) is noticed when the next
+    grammar is handed to it: a fresh one compiles that grammar and the engine keeps serving."""
+    engine = make_engine(loaded, grammar_compile_timeout_s=300.0)
+    _, resume = _stopped_workers(engine)
+    try:
+        resume()
+        for w in engine.grammars.workers:
+            w.process.kill()
+            w.process.wait()
+        done = engine.generate([prompts(1, seed=7)[0]], GOOD)[0]
+        assert done.finish_reason == "stop"
+        assert_no_leak(engine)
+    finally:
         engine.grammars.close()
 
 

@@ -139,6 +139,12 @@ def test_a_cache_below_a_directory_others_may_change_is_refused(tmp_path):
     os.chmod(shared, 0o777)
     with pytest.raises(OSError):
         owned_cache.owned_dir(str(shared / "servicer" / "kernels"))
+    linked = tmp_path / "home-cache"  # an ancestor that links into the shared directory
+    os.chmod(shared, 0o777)
+    (shared / "real").mkdir(mode=0o700)
+    linked.symlink_to(shared / "real")
+    with pytest.raises(OSError):
+        owned_cache.owned_dir(str(linked / "servicer" / "kernels"))
     os.chmod(shared, 0o1777)  # sticky, as /tmp: only an entry's owner may rename it
     assert owned_cache.owned_dir(str(shared / "servicer" / "kernels"))
 

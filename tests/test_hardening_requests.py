@@ -59,14 +59,13 @@ def test_a_huge_request_id_is_refused_before_anything_grows(daemon, grpc_stub):
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.details(), e
         assert len(e.details()) < 200
     after = daemon_rss(daemon)
-    for pid, size in before.items():  # unrefused: ~1 GiB each (n copies of the id)
+    for pid, size in before.items():  # (unrefused, each sequence would copy the id)
         assert after[pid] - size < 64 * 2**20, (pid, size, after[pid])
     e = refusal(grpc_stub, request(PROMPT, rid="line\nbreak"))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "printable" in e.details()
     # an Abort for an id not (yet) running is remembered for a while: its id is bounded too
-    with pytest.raises(grpc.RpcError) as ei:
-        grpc_stub.Abort(pb.AbortRequest(request_id="x" * 2**20, reason="test"), timeout=TIMEOUT)
-    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in ei.value.details()
+    reply = grpc_stub.Abort(pb.AbortRequest(request_id="x" * 2**20, reason="test"), timeout=TIMEOUT)
+    assert not reply.success and "request_id" in reply.message and len(reply.message) < 200
 
 
 def test_n_copies_of_a_prompt_beyond_the_kv_capacity_are_refused(grpc_stub):
@@ -84,11 +83,9 @@ def test_an_oversized_constraint_is_refused_before_it_compiles(grpc_stub):
 
 def test_grammar_errors_are_short_and_ours(grpc_stub):
     cases = {
-        # (a raw KeyError before)
         "invalid structural_tag: a structure lacks the string 'end'": dict(
             structural_tag=json.dumps({"structures": [{"begin": "<a>", "schema": {}}], "triggers": ["<a"]})
         ),
-        # (xgrammar's own text with a C++ source location before)
         "invalid json_schema": dict(json_schema=json.dumps({"type": "strin"})),
         "invalid regex": dict(regex="("),
     }

@@ -31,7 +31,7 @@ def _check_ancestors(path: str) -> None:
     """UntrustedPath unless every directory above ``path`` is owned by this user or root and
     nobody else may rename its entries (not writable by others, or sticky like /tmp): else
     another user could swap an owned cache directory for one of theirs."""
-    parent = os.path.dirname(os.path.abspath(path))
+    parent = os.path.dirname(os.path.realpath(path))  # (the directories a linked ancestor leads through)
     while True:
         st = os.stat(parent)
         shared_writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX

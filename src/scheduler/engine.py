@@ -83,8 +83,6 @@ class Engine:
         if bad is not None:
             raise AdmissionError("INVALID_ARGUMENT", f"token id {bad} is outside the vocabulary (size {vocab})")
         sp = msg.sampling
-        if sp.constraint_kind:
-            self.grammars.check_room()
         checker = self._stop_checker(msg) if sp.stop else None
         req = self.scheduler.add_request(msg, hold=bool(sp.constraint_kind), stop_checker=checker)
         if sp.constraint_kind:

@@ -142,9 +142,6 @@ class GrammarCompiles:
     def __bool__(self) -> bool:
         return bool(self.jobs or self._cached)
 
-    def check_room(self) -> None:
-        """Nothing to refuse for: a compile never outlives its time limit or its request."""
-
     def submit(self, request: Request, kind: str, spec: str) -> None:
         backend = self._start_backend()
         if backend.done() and backend.exception() is None:
@@ -263,7 +260,11 @@ class GrammarCompiles:
     def _dispatch(self) -> None:
         """Start the missing workers, and hand queued compiles to the idle ready ones."""
         while len(self.workers) < NUM_WORKERS:
-            self.workers.append(_Worker(*self._target))
+            try:
+                self.workers.append(_Worker(*self._target))
+            except OSError as e:  # (out of processes or descriptors) queued compiles wait, then time out
+                logger.error("cannot start a grammar compile worker: %s", e)
+                break
         backend = self._backend
         if backend is None or not backend.done() or backend.exception() is not None:  # (to take the answers)
             return
@@ -273,7 +274,11 @@ class GrammarCompiles:
                 break
             if job.worker is None:
                 w = idle.pop(0)
-                w.conn.send((job.kind, job.spec, self.json_any_whitespace))
+                try:
+                    w.conn.send((job.kind, job.spec, self.json_any_whitespace))
+                except OSError:  # it died while idle (nothing reads an idle worker's pipe)
+                    self._stop(w, "an idle grammar compile worker had ended")
+                    return  # (_stop dispatched the queue again)
                 job.worker, w.job, job.started = w, job, time.monotonic()
 
     def _stop(self, w: _Worker, why: str) -> None:

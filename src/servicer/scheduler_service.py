@@ -146,8 +146,8 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
     async def Abort(self, request, context):
         try:  # (an early abort is remembered: no id may cost more than a Generate's would)
             check_request_id(request.request_id)
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except InvalidRequest as e:  # Abort never fails (the router's contract): no such request
+            return pb.AbortResponse(success=False, message=str(e))
         ids = self.children.get(request.request_id, [request.request_id])
         found = [cid for cid in ids if self.client.abort(cid, request.reason)]
         if found:
