@@ -199,12 +199,27 @@ def test_new_directories_are_private(tmp_path):
     assert os.stat(write.path).st_mode & 0o777 == 0o600
 
 
+def test_directories_others_may_write_are_refused(tmp_path):
+    """A profile directory (or one found inside it) that another user owns or may write
+    could be swapped for a link before the trace lands: refused, generically."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)  # as /tmp
+    ok, msg = StepProfiler(profile_dir=str(shared)).start(num_steps=1)
+    assert not ok and "cannot write traces" in msg and "Errno" not in msg
+    base = tmp_path / "profiles"
+    (base / "open").mkdir(parents=True)
+    os.chmod(base / "open", 0o777)
+    ok, msg = StepProfiler(profile_dir=str(base)).start(output_dir="open/x", num_steps=1)
+    assert not ok and not (base / "open" / "x").exists()
+
+
 def test_a_file_where_the_directory_should_be_is_a_generic_answer(tmp_path, caplog):
     (tmp_path / "f").write_text("")
     ok, msg = StepProfiler(profile_dir=str(tmp_path)).start(output_dir="f/sub")
     assert not ok and "daemon log" in msg, msg
     assert "Not a directory" not in msg and "exists" not in msg, msg
-    assert "Not a directory" in caplog.text, "the reason goes to the log"
+    assert "cannot use the output directory" in caplog.text and "Errno" in caplog.text, "the reason goes to the log"
 
 
 def test_only_the_newest_traces_are_kept(tmp_path):

@@ -31,7 +31,7 @@ import shutil
 import threading
 import time
 
-from kernels import envs
+from kernels import envs, owned_cache
 
 from .config import PROFILE_MAX_TRACES
 
@@ -74,19 +74,14 @@ def resolve_output_dir(profile_dir: str, output_dir: str | None) -> str | None:
 
 
 def make_private_dirs(base: str, path: str) -> None:
-    """Create ``base`` and the directories of ``path`` below it, each new one mode 0700
-    (``os.makedirs`` gives its mode to the last directory only)."""
-    os.makedirs(base, mode=0o700, exist_ok=True)
-    current = base
+    """Create ``base`` and the directories of ``path`` below it, each mode 0700, and check
+    each (new or found) is ours alone, below parents nobody else may change: a directory
+    another user owns or may write could be swapped for a link before the trace is written."""
+    current = owned_cache.owned_dir(base)
     for part in os.path.relpath(path, base).split(os.sep):
-        if part in ("", os.curdir):
-            continue
-        current = os.path.join(current, part)
-        try:
-            os.mkdir(current, 0o700)
-        except FileExistsError:
-            pass
-    if not os.path.isdir(path) or os.path.realpath(path) != path:  # a file, or a symlink put there meanwhile
+        if part not in ("", os.curdir):
+            current = owned_cache.owned_dir(os.path.join(current, part))
+    if os.path.realpath(path) != path:  # a symlink put there meanwhile
         raise NotADirectoryError(path)
 
 
