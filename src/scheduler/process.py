@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         # A bad model, flag or device is the operator's to fix: the message says it all.
         expected = isinstance(e, (ValueError, NotImplementedError, OSError))
         logger.error("scheduler start-up failed: %s%s", e, "" if expected else "\n" + traceback.format_exc())
-        send(EngineDead(f"{type(e).__name__}: {e}"))
+        # (the line above names the cause for the operator; clients may see this reason)
+        send(EngineDead(f"the scheduler could not start ({type(e).__name__}); the daemon's log says why"))
         _close_sockets(ctx, inbox, outbox, None)
         return 1
     logger.info("scheduler ready (pid %d)", os.getpid())
