@@ -14,13 +14,12 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.join(ROOT, "bench", ".cache")
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
-from scheduler.model_source import prepare_tokenizer_dir, resolve_model  # noqa: E402
+from scheduler.model_source import prepare_tokenizer_dir, publish_directory, resolve_model  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -35,16 +34,7 @@ def hf_checkpoint(model: str = "smollm2") -> str:
     if os.path.isfile(os.path.join(final, "model.safetensors")):
         return final
     os.makedirs(CACHE, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=CACHE)
-    try:
-        _write(path, tokenizer_dir, tmp)
-        os.rename(tmp, final)
-    except OSError:
-        if not os.path.isfile(os.path.join(final, "model.safetensors")):
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return publish_directory(final, lambda out: _write(path, tokenizer_dir, out), "model.safetensors")
 
 
 def _write(gguf_path: str, tokenizer_dir: str, out: str) -> None:

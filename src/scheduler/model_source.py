@@ -170,19 +170,30 @@ def prepare_tokenizer_dir(model_path: str) -> str:
         except OSError:
             pass
         return os.path.join(root, name)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
     final = os.path.join(root, name)
-    try:
+
+    def convert(out: str) -> None:
         logger.info("converting the tokenizer of %s into %s", model_path, final)
-        _build_gguf_tokenizer(model_path, tmp)
-        with open(os.path.join(tmp, SOURCE_RECORD), "w") as f:
+        _build_gguf_tokenizer(model_path, out)
+        with open(os.path.join(out, SOURCE_RECORD), "w") as f:
             json.dump(_gguf_identity(model_path), f)
+
+    publish_directory(final, convert, "tokenizer.json")
+    prune_tokenizer_cache(root)  # only on a miss: a hit stays one stat
+    return final
+
+
+def publish_directory(final: str, build, complete_file: str) -> str:
+    """``build(tmp)`` into a temporary directory beside ``final``, then renamed into place,
+    so no reader sees half of one. Another process publishing first wins (``final`` holds
+    ``complete_file``): theirs is as good as ours."""
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(final))
+    try:
+        build(tmp)
         os.rename(tmp, final)
     except OSError:
-        if not os.path.isfile(os.path.join(final, "tokenizer.json")):
+        if not os.path.isfile(os.path.join(final, complete_file)):
             raise
-        # Another process published it first; theirs is as good as ours.
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    prune_tokenizer_cache(root)  # only on a miss: a hit stays one stat
     return final
