@@ -586,7 +586,7 @@ def sample_model_info(**fields):
         architectures=["LlamaForCausalLM"],
         max_total_num_tokens=1024,
         max_running_requests=4,
-        max_queued_requests=None,
+        max_queued_requests=16,
         max_logprobs=20,
         max_num_batched_tokens=512,
         long_prefill_token_threshold=256,

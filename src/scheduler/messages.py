@@ -224,7 +224,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     architectures: list[str]  # e.g. ["LlamaForCausalLM"]
     max_total_num_tokens: int  # KV cache capacity
     max_running_requests: int
-    max_queued_requests: int | None  # None: no limit
+    max_queued_requests: int  # requests that may wait beyond the free running slots
     max_logprobs: int
     max_num_batched_tokens: int
     long_prefill_token_threshold: int  # 0: off

@@ -160,7 +160,7 @@ def to_add_request(request, model_info: ModelInfo) -> AddRequest:
     if n > MAX_N:
         raise InvalidRequest(f"sampling_params.n must be at most {MAX_N}, got {n}")
     queued, running = model_info.max_queued_requests, model_info.max_running_requests
-    if queued is not None and n > running + queued:  # its sequences queue one by one: never all admitted
+    if n > running + queued:  # its sequences queue one by one: never all admitted
         raise InvalidRequest(
             f"sampling_params.n={n} sequences can never be queued together: at most {running} run "
             f"and {queued} wait (--max-running-requests, --max-queued-requests)"
