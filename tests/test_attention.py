@@ -149,6 +149,24 @@ def test_native_decode_kernel_at_the_engine_block_size(dtype, block_size, head_d
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 5, 7, 8])
+def test_native_decode_kernel_query_head_groupings(dtype, head_dim, group):
+    """MHA to 8 query heads per KV head: the unrolled head dims' values pass takes several
+    query heads of a group at once (as many as the registers hold), the rest in a smaller
+    chunk."""
+    num_blocks, kv_heads, block_size = 40, 2, 16
+    g, k_cache, v_cache = random_paged_cache(dtype, num_blocks, head_dim, 4, block_size, kv_heads)
+    seq_lens = [1, 17, 70, 200]
+    perm = torch.randperm(num_blocks - 1, generator=g).add(1)
+    starts = [sum(-(-s // block_size) for s in seq_lens[:i]) for i in range(len(seq_lens))]
+    tables = [perm[a : a + -(-s // block_size)].tolist() for a, s in zip(starts, seq_lens)]
+    q = torch.randn(len(seq_lens), group * kv_heads, head_dim, generator=g).to(dtype)
+    for shares in (0, 3):
+        assert_native_decode_matches_torch_path(q, k_cache, v_cache, seq_lens, tables, shares)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shares", [0, 1, 2, 3, 16, 200])  # 0: one per thread; 200: more than blocks
 def test_native_decode_kernel_split_kv_matches_torch_path(dtype, shares):
     """The requests' blocks, end to end, are cut into equal shares run in parallel: a request

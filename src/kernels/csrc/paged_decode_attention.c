@@ -7,10 +7,10 @@
  *   scores  VF tokens at a time, each with its own vector accumulator (independent FMA
  *           chains), whose lanes are then summed for all VF tokens together (lane_sums);
  *   softmax online, fp32, per query head;
- *   values  the output row of a query head stays in registers across the block's tokens
- *           (no load/store of the accumulator per token), while the next block is
- *           requested a line or two per token (see Prefetch).
- * The GQA query heads of a KV head reuse its K/V rows while they are in L1. The bf16 build
+ *   values  each token's V row is loaded once for several query heads of the group, whose
+ *           output rows stay in registers across the block's tokens.
+ * Both passes request the next block a line at a time as they go (see Prefetch). The GQA
+ * query heads of a KV head reuse its K rows while they are in L1. The bf16 build
  * (-DELEM_BF16, elem.h) scores straight from the stored bf16 K rows with AVX512-BF16's dot
  * product where the CPU has it (and D % 32 == 0); otherwise it widens the block's K rows of
  * a head to fp32 once, into a small L1-resident buffer, and computes from there as the fp32
@@ -82,20 +82,24 @@ static inline vf lane_sums(vf acc[VF]) {
     return acc[0];
 }
 
-/* The next block is requested while this one is computed: blocks sit anywhere in the
- * cache, so the hardware prefetcher loses the stream at every block edge. The requests are
- * spread over the values pass, a line or two per token, not issued in bursts: a core keeps
- * only so many misses in flight (its fill buffers), and a burst stalls it until they drain,
- * so memory and compute stop overlapping. The hint is 2 (to L2), the best measured
- * (docs/performance.md). A Prefetch is one range of the next block, `step` bytes per call. */
+/* The next block (of this request, or the thread's next request) is requested while this
+ * one is computed: blocks sit anywhere in the cache, so the hardware prefetcher loses the
+ * stream at every block edge. The requests go out evenly over both passes, not in bursts: a
+ * core keeps only so many misses in flight (its fill buffers), a burst stalls it until they
+ * drain, and a pass that requests nothing leaves the memory idle; either way memory and
+ * compute stop overlapping. The scores pass requests one line of K and one of V per row it
+ * scores (prefetch_line: no branch, so its unrolled loop stays as it is), the values pass the
+ * rest, `step` bytes per token (prefetch_some). The hint is 2 (to L2), the best measured
+ * (docs/performance.md). A Prefetch walks one range, the next block's K or V. */
 typedef struct {
     const char *start;
     int next, end, step; /* byte offsets: the next line to request, the range's end; bytes per call */
 } Prefetch;
 
-static inline Prefetch prefetch_range(const elem_t *start, int elements, int calls) {
-    const int bytes = elements * (int)sizeof(elem_t), lines = (bytes + 63) / 64;
-    return (Prefetch){(const char *)start, 0, bytes, 64 * ((lines + calls - 1) / calls)};
+/* (past the end it requests the range's first line again: a hit, and no branch) */
+static inline void prefetch_line(Prefetch *pf) {
+    __builtin_prefetch(pf->start + (pf->next < pf->end ? pf->next : 0), 0, 2);
+    pf->next += 64;
 }
 
 static inline void prefetch_some(Prefetch *pf) {
@@ -142,23 +146,27 @@ static inline __attribute__((always_inline)) vf dot_f32(const float *q, const fl
 /* One request, one KV head, one block: the scores of the G query heads (rows of `q`, D
  * apart) for the block's `len` rows, VF rows at a time, each row's dot product (DOT) in its
  * own accumulator (independent FMA chains), then summed across lanes by lane_sums (rows of
- * a group past `len` are not read: zero). */
+ * a group past `len` are not read: zero). A line of the next block's K and V per row. */
 #define DEFINE_BLOCK_SCORES(NAME, ELEM, DOT)                                                        \
     static inline void NAME(const ELEM *q, const ELEM *kb, int len, int row_stride, int G, int D,   \
-                            float scale, float s[][MAX_BLOCK]) {                                    \
+                            float scale, float s[][MAX_BLOCK], Prefetch *pk, Prefetch *pv) {        \
         for (int g = 0; g < G; g++) {                                                               \
             const ELEM *qg = q + (int64_t)g * D;                                                    \
             for (int t0 = 0; t0 < len; t0 += VF) {                                                  \
                 const int m = len - t0 < VF ? len - t0 : VF;                                        \
                 vf acc[VF];                                                                         \
-                for (int t = 0; t < VF; t++)                                                        \
+                for (int t = 0; t < VF; t++) {                                                      \
+                    prefetch_line(pk);                                                              \
+                    prefetch_line(pv);                                                              \
                     acc[t] = t < m ? DOT(qg, kb + (int64_t)(t0 + t) * row_stride, D) : (vf){0};     \
+                }                                                                                   \
                 *(vf *)(s[g] + t0) = lane_sums(acc) * scale;                                        \
             }                                                                                       \
         }                                                                                           \
     }
 
-/* acc[g] = acc[g] * corr[g] + sum_t p[g][t] * v[t], the row in registers where NVC is constant. */
+/* acc[g] = acc[g] * corr[g] + sum_t p[g][t] * v[t], one query head at a time: the generic head
+ * dim (the unrolled ones load each V row once for several heads: DEFINE_VALUES_CHUNK). */
 #define DEFINE_BLOCK_VALUES(NAME, NVC, TAIL8)                                                       \
     static inline void NAME(float *acc, const float *vb, int len, int row_stride, int G, int D,     \
                             const float *corr, float s[][MAX_BLOCK], Prefetch *pk, Prefetch *pv) {  \
@@ -184,18 +192,85 @@ static inline __attribute__((always_inline)) vf dot_f32(const float *q, const fl
 DEFINE_BLOCK_SCORES(block_scores_d64, float, DOT_D64)
 DEFINE_BLOCK_SCORES(block_scores_d128, float, DOT_D128)
 DEFINE_BLOCK_SCORES(block_scores_any, float, DOT_ANY)
-DEFINE_BLOCK_VALUES(block_values_d64, 64 / VF, 0)
-DEFINE_BLOCK_VALUES(block_values_d128, 128 / VF, 0)
 DEFINE_BLOCK_VALUES(block_values_any, D / VF, D % VF)
 
+/* The values pass for GC query heads together (head dim D = NVC * VF, their acc rows D
+ * apart): each token's V row is loaded once for all GC, into GC * NVC independent
+ * accumulators that stay in registers (GC is as many as the registers hold). */
+#define DEFINE_VALUES_CHUNK(NAME, NVC, GC)                                                          \
+    static inline void NAME(float *acc, const float *vb, int len, int row_stride, const float *corr, \
+                            float s[][MAX_BLOCK], Prefetch *pk, Prefetch *pv) {                     \
+        vf r[GC][NVC];                                                                              \
+        for (int g = 0; g < GC; g++)                                                                \
+            for (int j = 0; j < NVC; j++) r[g][j] = *(vf *)(acc + (g * NVC + j) * VF) * corr[g];    \
+        for (int t = 0; t < len; t++) {                                                             \
+            const float *v = vb + (int64_t)t * row_stride;                                          \
+            prefetch_some(pk);                                                                      \
+            prefetch_some(pv);                                                                      \
+            vf x[NVC];                                                                              \
+            for (int j = 0; j < NVC; j++) x[j] = *(const vf *)(v + j * VF);                         \
+            for (int g = 0; g < GC; g++) {                                                          \
+                const float p = s[g][t];                                                            \
+                for (int j = 0; j < NVC; j++) r[g][j] += p * x[j];                                  \
+            }                                                                                       \
+        }                                                                                           \
+        for (int g = 0; g < GC; g++)                                                                \
+            for (int j = 0; j < NVC; j++) *(vf *)(acc + (g * NVC + j) * VF) = r[g][j];              \
+    }
+
+DEFINE_VALUES_CHUNK(values_d64_g1, 64 / VF, 1)
+DEFINE_VALUES_CHUNK(values_d64_g2, 64 / VF, 2)
+DEFINE_VALUES_CHUNK(values_d64_g3, 64 / VF, 3)
+DEFINE_VALUES_CHUNK(values_d64_g4, 64 / VF, 4)
+DEFINE_VALUES_CHUNK(values_d128_g1, 128 / VF, 1)
+DEFINE_VALUES_CHUNK(values_d128_g2, 128 / VF, 2)
+
+/* Query heads per values pass: as many as the registers hold with 16-float vectors (AVX-512's
+ * 32 registers); with 8-float ones a row of 64 already takes half of AVX2's 16. */
+#define HEADS_D64 (VF == 16 ? 4 : 1)
+#define HEADS_D128 (VF == 16 ? 2 : 1)
+
+/* How many values passes (chunks of query heads) a group of G takes. */
+static inline int value_chunks(int G, int D) {
+    const int heads = D == 64 ? HEADS_D64 : D == 128 ? HEADS_D128 : 1;
+    return (G + heads - 1) / heads;
+}
+
+static inline void block_values_d64(float *acc, const float *vb, int len, int row_stride, int G, int D,
+                                    const float *corr, float s[][MAX_BLOCK], Prefetch *pk, Prefetch *pv) {
+    for (int g = 0; g < G; g += HEADS_D64) {
+        const int n = G - g < HEADS_D64 ? G - g : HEADS_D64;
+        float *a = acc + (int64_t)g * D;
+        if (n == 4)
+            values_d64_g4(a, vb, len, row_stride, corr + g, s + g, pk, pv);
+        else if (n == 3)
+            values_d64_g3(a, vb, len, row_stride, corr + g, s + g, pk, pv);
+        else if (n == 2)
+            values_d64_g2(a, vb, len, row_stride, corr + g, s + g, pk, pv);
+        else
+            values_d64_g1(a, vb, len, row_stride, corr + g, s + g, pk, pv);
+    }
+}
+
+static inline void block_values_d128(float *acc, const float *vb, int len, int row_stride, int G, int D,
+                                     const float *corr, float s[][MAX_BLOCK], Prefetch *pk, Prefetch *pv) {
+    for (int g = 0; g < G; g += HEADS_D128) {
+        float *a = acc + (int64_t)g * D;
+        if (HEADS_D128 == 1 || G - g == 1)
+            values_d128_g1(a, vb, len, row_stride, corr + g, s + g, pk, pv);
+        else
+            values_d128_g2(a, vb, len, row_stride, corr + g, s + g, pk, pv);
+    }
+}
+
 static inline void block_scores(const float *q, const float *kb, int len, int row_stride, int G, int D,
-                                float scale, float s[][MAX_BLOCK]) {
+                                float scale, float s[][MAX_BLOCK], Prefetch *pk, Prefetch *pv) {
     if (D == 64)
-        block_scores_d64(q, kb, len, row_stride, G, D, scale, s);
+        block_scores_d64(q, kb, len, row_stride, G, D, scale, s, pk, pv);
     else if (D == 128)
-        block_scores_d128(q, kb, len, row_stride, G, D, scale, s);
+        block_scores_d128(q, kb, len, row_stride, G, D, scale, s, pk, pv);
     else
-        block_scores_any(q, kb, len, row_stride, G, D, scale, s);
+        block_scores_any(q, kb, len, row_stride, G, D, scale, s, pk, pv);
 }
 
 static inline void block_values(float *acc, const float *vb, int len, int row_stride, int G, int D, const float *corr,
@@ -227,7 +302,7 @@ DEFINE_BLOCK_SCORES(block_scores_bf16, elem_t, dot_bf16)
  * [H * D] and each query head's online-softmax state (running max `m`, sum `l`). */
 static void attend_blocks(const elem_t *q_i, const elem_t *k_cache, const elem_t *v_cache, const int64_t *table,
                           int64_t seq, int b0, int b1, int H, int Hkv, int D, int block_size, float scale,
-                          float *acc, float *m, float *l) {
+                          float *acc, float *m, float *l, int64_t after) {
     const int G = H / Hkv;
     const int row_stride = Hkv * D;
     /* Per-thread buffers sized by the real shapes (a few KB for common models): a worker
@@ -251,10 +326,17 @@ static void attend_blocks(const elem_t *q_i, const elem_t *k_cache, const elem_t
     for (int b = b0; b < b1; b++) {
         const int64_t start = (int64_t)b * block_size;
         const int64_t base = table[b] * block_size;
-        /* next block's offset (-1: none in this range) and the slice of it requested per pass */
-        const int64_t next = b + 1 < b1 ? table[b + 1] * block_size * row_stride : -1;
-        const int slice = block_size * D; /* = block_size * row_stride / Hkv */
         const int len = (int)(seq - start < block_size ? seq - start : block_size);
+        /* The next block (`after` past the range's last; negative: none) as Prefetch says: the
+         * scores pass requests a line of its K and V per row scored (VF rows per group), the
+         * values pass the rest over its calls (one per token and chunk of query heads). */
+        const int64_t next = (b + 1 < b1 ? table[b + 1] : after) * block_size * row_stride;
+        const int bytes = next >= 0 ? block_size * row_stride * (int)sizeof(elem_t) : 0;
+        const int score_lines = Hkv * G * ((len + VF - 1) / VF) * VF;
+        const int rest = bytes / 64 - score_lines, value_calls = Hkv * value_chunks(G, D) * len;
+        const int step = 64 * (rest > 0 ? (rest + value_calls - 1) / value_calls : 0);
+        Prefetch pk = {(const char *)(k_cache + (next >= 0 ? next : 0)), 0, bytes, step};
+        Prefetch pv = {(const char *)(v_cache + (next >= 0 ? next : 0)), 0, bytes, step};
         for (int h = 0; h < Hkv; h++) {
             const elem_t *k_rows = k_cache + base * row_stride + (int64_t)h * D;
             const elem_t *v_rows = v_cache + base * row_stride + (int64_t)h * D;
@@ -262,15 +344,15 @@ static void attend_blocks(const elem_t *q_i, const elem_t *k_cache, const elem_t
 #ifdef ELEM_BF16
 #ifdef DPBF16
             if (dot_bf16)
-                block_scores_bf16(q_i + (int64_t)h * G * D, k_rows, len, row_stride, G, D, scale, sh);
+                block_scores_bf16(q_i + (int64_t)h * G * D, k_rows, len, row_stride, G, D, scale, sh, &pk, &pv);
             else
 #endif
             {
                 widen_rows(k_rows, len, row_stride, D, kv);
-                block_scores(qi + (int64_t)h * G * D, kv, len, D, G, D, scale, sh);
+                block_scores(qi + (int64_t)h * G * D, kv, len, D, G, D, scale, sh, &pk, &pv);
             }
 #else
-            block_scores(qi + (int64_t)h * G * D, k_rows, len, row_stride, G, D, scale, sh);
+            block_scores(qi + (int64_t)h * G * D, k_rows, len, row_stride, G, D, scale, sh, &pk, &pv);
 #endif
             for (int g = 0; g < G; g++) {
                 const int hq = h * G + g;
@@ -286,10 +368,6 @@ static void attend_blocks(const elem_t *q_i, const elem_t *k_cache, const elem_t
                 m[hq] = mb;
             }
             float *ah = acc + (int64_t)h * G * D;
-            /* a slice of the next block's K and V, over the G * len steps of the values pass */
-            const int64_t ahead = next >= 0 ? next + (int64_t)h * slice : 0;
-            Prefetch pk = prefetch_range(k_cache + ahead, next >= 0 ? slice : 0, G * len);
-            Prefetch pv = prefetch_range(v_cache + ahead, next >= 0 ? slice : 0, G * len);
 #ifdef ELEM_BF16
             widen_rows(v_rows, len, row_stride, D, kv); /* (K is done with the buffer) */
             block_values(ah, kv, len, D, G, D, corr, sh, &pk, &pv);
@@ -394,9 +472,13 @@ int KERNEL(paged_decode_attention)(const elem_t *q, const elem_t *k_cache, const
             const Piece pc = pieces[k];
             float whole[part_floats] __attribute__((aligned(32))); /* a request in one piece */
             float *state = pc.slot >= 0 ? partials + pc.slot * part_floats : whole;
+            /* the block after this piece's last: the next piece's first */
+            const int64_t after = k + 1 < first[c + 1]
+                                      ? block_tables[(int64_t)pieces[k + 1].req * max_blocks + pieces[k + 1].b0]
+                                      : -1;
             attend_blocks(q + (int64_t)pc.req * H * D, k_cache, v_cache, block_tables + (int64_t)pc.req * max_blocks,
                           seq_lens[pc.req], pc.b0, pc.b1, H, Hkv, D, block_size, scale, state, state + H * D,
-                          state + H * D + H);
+                          state + H * D + H, after);
             if (pc.slot < 0) write_merged(out + (int64_t)pc.req * H * D, whole, 1, part_floats, H, D);
         }
     }
