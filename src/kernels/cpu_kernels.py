@@ -92,7 +92,7 @@ def _cpu_elements(dtype: torch.dtype, *tensors: torch.Tensor | None) -> bool:
     if dtype not in ELEMENT_FLAGS:
         return False
     for t in tensors:  # (a loop, not all(...): this runs a few hundred times per decode step)
-        if t is not None and (t.dtype != dtype or t.device.type != "cpu"):
+        if t is not None and (t.dtype != dtype or not t.is_cpu):  # (is_cpu: device.type builds a device)
             return False
     return True
 
@@ -261,7 +261,7 @@ def qkv_rope_store(
         or not _cpu_elements(torch.float32, cos, sin)
         or not (k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.is_contiguous())
         or slot_mapping.dtype != torch.int64
-        or slot_mapping.device.type != "cpu"
+        or not slot_mapping.is_cpu
         or slot_mapping.shape != (t,)
         or cos.dim() != 2
         or sin.dim() != 2

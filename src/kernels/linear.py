@@ -79,7 +79,7 @@ def linear(
     (the transposed view of ``weight @ x.T``, strides ``(1, T)``) for consumers that read
     any strides (the fused kernels in ``cpu_kernels``), saving the transpose copy.
     ``packed``: ``pack_weight(weight)``, used for batches of a few dozen to ``PACKED_MAX_ROWS``."""
-    if x.device.type != "cpu" or x.dim() != 2:
+    if not x.is_cpu or x.dim() != 2:
         return F.linear(x, weight, bias)
     if x.shape[0] <= few_rows_max(x.dtype, packed is not None):
         out = cpu_kernels.few_rows_linear(x, weight, bias)
