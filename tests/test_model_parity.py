@@ -138,25 +138,72 @@ def test_bundled_greedy_and_logits_match_hf(bundled):
 
 
 def test_bundled_single_sequence_decode_matches_hf(bundled, monkeypatch):
-    """One sequence decodes through the native few-row projections (csrc/gemv.c)."""
-    from kernels import cpu_kernels
+    """One sequence decodes through the native few-row projections (csrc/gemv.c): each layer
+    as its plan's direct kernel calls (kernels/cpu_decode.py), the LM head through the wrapper."""
+    from kernels import cpu_decode, cpu_kernels
 
     if cpu_kernels.load_library("gemv") is None:
         pytest.skip("no C compiler: native kernel unavailable")
-    native_calls = []
-    few_rows_linear = cpu_kernels.few_rows_linear
+    native_calls, layer_calls = [], []
+    few_rows_linear, run_layer = cpu_kernels.few_rows_linear, cpu_decode.LayerPlan.__call__
 
     def counted(*args):
         out = few_rows_linear(*args)
         native_calls.append(out is not None)
         return out
 
+    def counted_layer(*args):
+        out = run_layer(*args)
+        layer_calls.append(out is not None)
+        return out
+
     monkeypatch.setattr(cpu_kernels, "few_rows_linear", counted)
+    monkeypatch.setattr(cpu_decode.LayerPlan, "__call__", counted_layer)
     config, ours, hf, _, prompts = bundled
     outs, _ = PagedRunner(ours, config).generate([prompts[4]], 32, set(config.eos_token_ids))
     assert outs[0] == hf_reference(hf, prompts[4], 32)[0]
-    # Every projection of the 31 decode steps (4 per layer, and the LM head) took the kernel.
-    assert sum(native_calls) >= 31 * (4 * config.num_layers + 1)
+    # Every layer of the 31 decode steps ran as its plan, and every LM head took the kernel.
+    assert sum(layer_calls) == 31 * config.num_layers
+    assert sum(native_calls) >= 31
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bundled_decode_layer_plans_equal_the_per_operation_path(bundled, dtype, monkeypatch):
+    """A few-row decode step's layers as direct kernel calls (cpu_decode.LayerPlan) compute
+    exactly what the per-operation path computes (same kernels, same order): the logits of 6
+    decode steps at 1, 3 and 4 rows (bf16's few-row limit), and at 5 rows in fp32."""
+    import copy
+
+    from kernels import cpu_decode, cpu_kernels
+
+    if cpu_kernels.load_library("gemv", dtype) is None:
+        pytest.skip("no C compiler: native kernel unavailable")
+    config, ours, _, _, prompts = bundled
+    model = ours if dtype == torch.float32 else copy.deepcopy(ours).to(dtype)
+    batches = [prompts[4:5], prompts[:3], prompts[:4]] + ([prompts[:5]] if dtype == torch.float32 else [])
+    layer_calls = []
+    run_layer = cpu_decode.LayerPlan.__call__
+
+    def counted_layer(*args):
+        out = run_layer(*args)
+        layer_calls.append(out is not None)
+        return out
+
+    def decode_logits(batch: list[list[int]]) -> torch.Tensor:
+        """Each decode step's logits, every row fed the same tokens (token 7 + step)."""
+        runner = PagedRunner(model, config, dtype=dtype)
+        tables = [[] for _ in batch]
+        runner.step([(p, 0, t) for p, t in zip(batch, tables)])
+        steps = [runner.step([([7 + j], len(p) + j, t) for p, t in zip(batch, tables)]) for j in range(6)]
+        return torch.stack(steps)
+
+    monkeypatch.setattr(cpu_decode.LayerPlan, "__call__", counted_layer)
+    with_plans = [decode_logits(batch) for batch in batches]
+    assert sum(layer_calls) == 6 * len(batches) * config.num_layers  # (every decode step's layers)
+    monkeypatch.setattr(CpuBackend, "decoder_layer", lambda *args: None)
+    per_op = [decode_logits(batch) for batch in batches]
+    for batch, a, b in zip(batches, with_plans, per_op):
+        assert torch.equal(a, b), f"{len(batch)} rows: max |diff| {(a - b).abs().max().item()}"
 
 
 def _agreeing_prefix(a: list[int], b: list[int]) -> int:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import activation, attention, cpu_kernels, linear, norm, triton_attention, triton_ops
+from . import activation, attention, cpu_decode, cpu_kernels, linear, norm, triton_attention, triton_ops
 from .triton_gemv import SMALL_BATCH_ROWS, small_batch_linear
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,8 @@ class CpuBackend(TorchBackend):
     def __init__(self, device: torch.device, block_size: int, packed_weights: bool = False, **options: Any):
         super().__init__(device, block_size, **options)
         self.packed_weights = packed_weights
+        self._plans: dict[int, tuple[object, int, torch.dtype, cpu_decode.LayerPlan | None]] = {}
+        self._step: tuple[object, cpu_decode.DecodeStep | None] = (None, None)
 
     def prepare_model(self, model: nn.Module) -> None:
         """A packed copy of every projection and the LM head for decode batches
@@ -147,6 +149,26 @@ class CpuBackend(TorchBackend):
 
     def project(self, x: torch.Tensor, proj: Projection, row_major: bool = True) -> torch.Tensor:
         return linear.linear(x, proj.weight, proj.bias, row_major, proj.packed_weight)
+
+    def decoder_layer(self, layer, rope: Rope, x, residual, kv_cache: KVCache, meta):
+        """A decode step of few rows (those the projections run on ``few_rows_linear``) as the
+        layer's native kernels called directly (``cpu_decode``); None for any other step."""
+        step_meta, step = self._step
+        if step_meta is not meta:  # the step's first layer: is it one for the plans?
+            step = None
+            if x.dim() == 2 and x.is_cpu:
+                max_rows = linear.few_rows_max(x.dtype, layer.self_attn.qkv_proj.packed_weight is not None)
+                step = cpu_decode.DecodeStep.build(meta, rope, x.shape[0], max_rows)
+            self._step = meta, step
+        if step is None:
+            return None
+        key = id(layer)
+        cached = self._plans.get(key)
+        if cached is None or cached[0] is not layer or cached[1] != kv_cache[0].data_ptr() or cached[2] != x.dtype:
+            cached = (layer, kv_cache[0].data_ptr(), x.dtype, cpu_decode.LayerPlan.build(layer, kv_cache, x.dtype))
+            self._plans[key] = cached
+        plan = cached[3]
+        return None if plan is None else plan(step, x, residual)
 
 
 class TritonBackend(TorchBackend):

@@ -1,0 +1,198 @@
+"""A decoder layer of a few-row CPU decode step as direct native calls.
+
+At a few rows (one request, or a handful) a step's kernels take microseconds each, while the
+per-operation path around them (the model's modules, the backend, and each ``cpu_kernels``
+wrapper checking dtypes, devices, shapes and strides again) adds thousands of Python
+operations per step, a large share of one request's decode step (docs/performance.md). Here what does not change
+is checked once: a layer's weights and KV cache when its :class:`LayerPlan` is built, the
+step's metadata once per step (:class:`DecodeStep`). A layer is then the same kernels as the
+per-operation path (csrc/fused_ops.c, gemv.c, paged_decode_attention.c), called on pointers,
+so it computes exactly what that path computes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import attention, cpu_kernels
+from .attention import AttentionMetadata
+
+
+def _ok(dtype: torch.dtype, *tensors: torch.Tensor | None) -> bool:
+    """All present tensors contiguous CPU tensors of ``dtype``."""
+    return all(t is None or (t.dtype == dtype and t.is_cpu and t.is_contiguous()) for t in tensors)
+
+
+class DecodeStep:
+    """A step's metadata as the kernels read it; :meth:`build` gives None for a step the
+    plans do not run (prefill rows, more rows than the few-row projections take)."""
+
+    def __init__(self, meta: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, rows: int):
+        self.meta, self.rows = meta, rows
+        self.tables, self.lens, self.slots = meta.decode_block_tables, meta.decode_seq_lens, meta.slot_mapping
+        self.max_blocks = self.tables.shape[1]
+        self.cos, self.sin, self.rope_stride, self.rope_half = cos, sin, cos.stride(0), cos.shape[1]
+
+    @staticmethod
+    def build(meta, rope: tuple[torch.Tensor, torch.Tensor], rows: int, max_rows: int) -> DecodeStep | None:
+        cos, sin = rope
+        if not (
+            isinstance(meta, AttentionMetadata)
+            and 0 < rows <= max_rows
+            and meta.num_decodes == rows
+            and not meta.prefills
+            and _ok(torch.int64, meta.decode_block_tables, meta.decode_seq_lens, meta.slot_mapping)
+            and meta.decode_block_tables.dim() == 2
+            and meta.slot_mapping.shape == (rows,)
+            and meta.decode_max_seq_len <= meta.decode_block_tables.shape[1] * meta.block_size
+            and cos.dtype == sin.dtype == torch.float32
+            and cos.is_cpu
+            and sin.is_cpu
+            and cos.dim() == sin.dim() == 2
+            and cos.shape[0] >= rows
+            and cos.stride(1) == sin.stride(1) == 1
+            and cos.stride(0) == sin.stride(0)
+        ):
+            return None
+        return DecodeStep(meta, cos, sin, rows)
+
+
+class LayerPlan:
+    """One decoder layer's weights, KV cache and kernels, checked once (:meth:`build`)."""
+
+    def __init__(self, layer, kv_cache, dtype: torch.dtype, kernels: dict):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.dtype, self.k = dtype, kernels
+        self.k_cache, self.v_cache = kv_cache
+        self.block_size = self.k_cache.shape[1]
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.scale, self.eps = attn.scale, attn.eps
+        self.norm1, self.norm1_eps = layer.input_layernorm.weight, layer.input_layernorm.eps
+        self.norm2, self.norm2_eps = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps
+        self.q_norm = attn.q_norm.weight if attn.qk_norm else None
+        self.k_norm = attn.k_norm.weight if attn.qk_norm else None
+        self.projections = [(p.weight, p.bias) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+
+    @staticmethod
+    def build(layer, kv_cache, dtype: torch.dtype) -> LayerPlan | None:
+        """The plan, or None where a part of the layer is not for the native kernels (the
+        per-operation path then runs it, with the reference where they decline)."""
+        attn, mlp = layer.self_attn, layer.mlp
+        k_cache, v_cache = kv_cache
+        kernels = {
+            "norm": cpu_kernels._kernel("fused_ops", "add_rms_norm", dtype),
+            "silu_mul": cpu_kernels._kernel("fused_ops", "silu_mul", dtype),
+            "qkv": cpu_kernels._kernel("fused_ops", "qkv_rope_store", dtype),
+            "attention": cpu_kernels._kernel("paged_decode_attention", "paged_decode_attention", dtype),
+            "gemv": cpu_kernels._kernel("gemv", "few_rows_linear", dtype),
+        }
+        projections = qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        hidden = layer.input_layernorm.weight.numel()
+        norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        if attn.qk_norm:
+            norms += [attn.q_norm.weight, attn.k_norm.weight]
+        if not (
+            all(kernels.values())
+            and _ok(dtype, k_cache, v_cache, *norms)
+            and all(
+                _ok(dtype, p.weight, p.bias) and p.weight.dim() == 2 and p.weight.shape[1] % 32 == 0
+                for p in projections
+            )
+            and qkv.weight.shape == ((heads + 2 * kv_heads) * head_dim, hidden)
+            and o.weight.shape == (hidden, heads * head_dim)
+            and gate_up.weight.shape[1] == hidden
+            and down.weight.shape == (hidden, gate_up.weight.shape[0] // 2)
+            and k_cache.dim() == 4
+            and v_cache.shape == k_cache.shape
+            and k_cache.shape[2:] == (kv_heads, head_dim)
+            and k_cache.shape[1] <= 64
+            and heads % kv_heads == 0
+            and heads <= 64
+            and head_dim <= 256
+            and head_dim % 8 == 0
+        ):
+            return None
+        return LayerPlan(layer, kv_cache, dtype, kernels)
+
+    def linear(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        weight, bias = self.projections[index]
+        rows, (n, k) = x.shape[0], weight.shape
+        out = torch.empty(rows, n, dtype=self.dtype)
+        if self.k["gemv"](x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), rows, n, k) != 0:
+            return F.linear(x, weight, bias)  # (the kernel could not allocate its buffer)
+        return out
+
+    def norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``rms_norm(x)``, or ``rms_norm(x + residual)`` with ``residual`` updated in place."""
+        rows, d = x.shape
+        out = torch.empty(rows, d, dtype=self.dtype)
+        self.k["norm"](x.data_ptr(), d, 1, _ptr(residual), weight.data_ptr(), out.data_ptr(), rows, d, eps)
+        return out
+
+    def __call__(self, step: DecodeStep, x: torch.Tensor, residual: torch.Tensor | None):
+        """The layer on ``x [rows, hidden]``: ``(output, residual)`` as ``DecoderLayer.forward``
+        returns them, or None (nothing done) for rope tables or an ``x`` it does not read."""
+        rows, dt, hd = step.rows, self.dtype, self.head_dim
+        if step.rope_half * 2 != hd or not x.is_contiguous():
+            return None
+        if residual is None:  # the first layer: the residual stream starts as x
+            h, residual = self.norm(x, None, self.norm1, self.norm1_eps), x
+        else:
+            h = self.norm(x, residual, self.norm1, self.norm1_eps)
+        qkv = self.linear(h, 0)
+        q = torch.empty(rows, self.heads, hd, dtype=dt)
+        kv = torch.empty(2, rows, self.kv_heads, hd, dtype=dt)  # this step's k and v (the cache has them)
+        self.k["qkv"](
+            qkv.data_ptr(),
+            qkv.shape[1],
+            1,
+            _ptr(self.q_norm),
+            _ptr(self.k_norm),
+            self.eps,
+            step.cos.data_ptr(),
+            step.sin.data_ptr(),
+            step.rope_stride,
+            step.slots.data_ptr(),
+            self.k_cache.data_ptr(),
+            self.v_cache.data_ptr(),
+            q.data_ptr(),
+            kv[0].data_ptr(),
+            kv[1].data_ptr(),
+            rows,
+            self.heads,
+            self.kv_heads,
+            hd,
+        )
+        attn = torch.empty_like(q)
+        status = self.k["attention"](
+            q.data_ptr(),
+            self.k_cache.data_ptr(),
+            self.v_cache.data_ptr(),
+            step.tables.data_ptr(),
+            step.lens.data_ptr(),
+            attn.data_ptr(),
+            rows,
+            self.heads,
+            self.kv_heads,
+            hd,
+            self.block_size,
+            step.max_blocks,
+            self.scale,
+            0,
+        )
+        if status != 0:  # (out of memory for its partial states): the torch path
+            flat_k, flat_v = attention.flat_cache(self.k_cache), attention.flat_cache(self.v_cache)
+            attn = attention.decode_attention(q, flat_k, flat_v, step.meta, self.scale)
+        o = self.linear(attn.view(rows, -1), 1)
+        h = self.norm(o, residual, self.norm2, self.norm2_eps)
+        gate_up = self.linear(h, 2)
+        inner = gate_up.shape[1] // 2
+        act = torch.empty(rows, inner, dtype=dt)
+        self.k["silu_mul"](gate_up.data_ptr(), gate_up.shape[1], inner, act.data_ptr(), inner, rows, inner)
+        return self.linear(act, 3), residual
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
