@@ -167,20 +167,26 @@ def test_bundled_single_sequence_decode_matches_hf(bundled, monkeypatch):
     assert sum(native_calls) >= 31
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_bundled_decode_layer_plans_equal_the_per_operation_path(bundled, dtype, monkeypatch):
-    """A few-row decode step's layers as direct kernel calls (cpu_decode.LayerPlan) compute
-    exactly what the per-operation path computes (same kernels, same order): the logits of 6
-    decode steps at 1, 3 and 4 rows (bf16's few-row limit), and at 5 rows in fp32."""
+def test_bundled_decode_layer_plans_equal_the_per_operation_path(bundled, dtype, packed, monkeypatch):
+    """A decode step's layers as direct kernel calls (cpu_decode.LayerPlan) compute exactly
+    what the per-operation path computes (same kernels, same order): the logits of 6 decode
+    steps at 1, 3, 4 (bf16's few-row limit), 5 and 12 rows, with and without packed weights
+    (the projections past the few-row kernel go through linear.linear either way)."""
     import copy
 
-    from kernels import cpu_decode, cpu_kernels
+    from kernels import cpu_decode, cpu_kernels, linear
 
     if cpu_kernels.load_library("gemv", dtype) is None:
         pytest.skip("no C compiler: native kernel unavailable")
+    if packed and not linear.can_pack(dtype):
+        pytest.skip("no packed GEMM for this dtype in this torch build")
     config, ours, _, _, prompts = bundled
-    model = ours if dtype == torch.float32 else copy.deepcopy(ours).to(dtype)
-    batches = [prompts[4:5], prompts[:3], prompts[:4]] + ([prompts[:5]] if dtype == torch.float32 else [])
+    model = ours if dtype == torch.float32 and not packed else copy.deepcopy(ours).to(dtype)
+    if packed:
+        CpuBackend(torch.device("cpu"), BLOCK, packed_weights=True).prepare_model(model)
+    batches = [prompts[4:5], prompts[:3], prompts[:4], prompts[:5], (prompts * 3)[:12]]
     layer_calls = []
     run_layer = cpu_decode.LayerPlan.__call__
 

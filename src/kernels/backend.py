@@ -151,14 +151,11 @@ class CpuBackend(TorchBackend):
         return linear.linear(x, proj.weight, proj.bias, row_major, proj.packed_weight)
 
     def decoder_layer(self, layer, rope: Rope, x, residual, kv_cache: KVCache, meta):
-        """A decode step of few rows (those the projections run on ``few_rows_linear``) as the
-        layer's native kernels called directly (``cpu_decode``); None for any other step."""
+        """A decode-only step's layer as its native kernels called directly (``cpu_decode``);
+        None for any other step."""
         step_meta, step = self._step
         if step_meta is not meta:  # the step's first layer: is it one for the plans?
-            step = None
-            if x.dim() == 2 and x.is_cpu:
-                max_rows = linear.few_rows_max(x.dtype, layer.self_attn.qkv_proj.packed_weight is not None)
-                step = cpu_decode.DecodeStep.build(meta, rope, x.shape[0], max_rows)
+            step = cpu_decode.DecodeStep.build(meta, rope, x.shape[0]) if x.dim() == 2 and x.is_cpu else None
             self._step = meta, step
         if step is None:
             return None

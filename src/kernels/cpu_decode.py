@@ -1,21 +1,22 @@
-"""A decoder layer of a few-row CPU decode step as direct native calls.
+"""A CPU decode step's decoder layer as direct native calls.
 
 At a few rows (one request, or a handful) a step's kernels take microseconds each, while the
 per-operation path around them (the model's modules, the backend, and each ``cpu_kernels``
 wrapper checking dtypes, devices, shapes and strides again) adds thousands of Python
-operations per step, a large share of one request's decode step (docs/performance.md). Here what does not change
-is checked once: a layer's weights and KV cache when its :class:`LayerPlan` is built, the
-step's metadata once per step (:class:`DecodeStep`). A layer is then the same kernels as the
-per-operation path (csrc/fused_ops.c, gemv.c, paged_decode_attention.c), called on pointers,
-so it computes exactly what that path computes.
+operations per step: a large share of one request's decode step, and a fixed cost in every
+larger one (docs/performance.md). Here what does not change is checked once: a layer's
+weights and KV cache when its :class:`LayerPlan` is built, the step's metadata once per step
+(:class:`DecodeStep`). A layer is then the kernels the per-operation path would pick
+(csrc/fused_ops.c, gemv.c, paged_decode_attention.c; ``linear.linear`` for projections of more
+rows than the few-row kernel takes), called on pointers, so it computes exactly what that path
+computes.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from . import attention, cpu_kernels
+from . import activation, attention, cpu_kernels, linear
 from .attention import AttentionMetadata
 
 
@@ -25,8 +26,8 @@ def _ok(dtype: torch.dtype, *tensors: torch.Tensor | None) -> bool:
 
 
 class DecodeStep:
-    """A step's metadata as the kernels read it; :meth:`build` gives None for a step the
-    plans do not run (prefill rows, more rows than the few-row projections take)."""
+    """A decode-only step's metadata as the kernels read it; :meth:`build` gives None for a
+    step the plans do not run (one with prefill rows)."""
 
     def __init__(self, meta: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, rows: int):
         self.meta, self.rows = meta, rows
@@ -35,11 +36,11 @@ class DecodeStep:
         self.cos, self.sin, self.rope_stride, self.rope_half = cos, sin, cos.stride(0), cos.shape[1]
 
     @staticmethod
-    def build(meta, rope: tuple[torch.Tensor, torch.Tensor], rows: int, max_rows: int) -> DecodeStep | None:
+    def build(meta, rope: tuple[torch.Tensor, torch.Tensor], rows: int) -> DecodeStep | None:
         cos, sin = rope
         if not (
             isinstance(meta, AttentionMetadata)
-            and 0 < rows <= max_rows
+            and rows > 0
             and meta.num_decodes == rows
             and not meta.prefills
             and _ok(torch.int64, meta.decode_block_tables, meta.decode_seq_lens, meta.slot_mapping)
@@ -72,7 +73,7 @@ class LayerPlan:
         self.norm2, self.norm2_eps = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps
         self.q_norm = attn.q_norm.weight if attn.qk_norm else None
         self.k_norm = attn.k_norm.weight if attn.qk_norm else None
-        self.projections = [(p.weight, p.bias) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        self.projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
 
     @staticmethod
     def build(layer, kv_cache, dtype: torch.dtype) -> LayerPlan | None:
@@ -116,38 +117,54 @@ class LayerPlan:
             return None
         return LayerPlan(layer, kv_cache, dtype, kernels)
 
-    def linear(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        weight, bias = self.projections[index]
+    def project(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Projection ``index`` (q|k|v, o, gate|up, down) of ``x``, in the form ``linear.linear``
+        picks: the few-row kernel called directly where it applies, else ``linear.linear`` itself
+        (whose result may stay column-major: the fused kernels read any strides)."""
+        proj = self.projections[index]
+        weight, bias, packed = proj.weight, proj.bias, proj.packed_weight
         rows, (n, k) = x.shape[0], weight.shape
-        out = torch.empty(rows, n, dtype=self.dtype)
-        if self.k["gemv"](x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), rows, n, k) != 0:
-            return F.linear(x, weight, bias)  # (the kernel could not allocate its buffer)
-        return out
+        if rows <= linear.few_rows_max(self.dtype, packed is not None) and x.is_contiguous():
+            out = torch.empty(rows, n, dtype=self.dtype)
+            if self.k["gemv"](x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), rows, n, k) == 0:
+                return out
+        return linear.linear(x, weight, bias, False, packed)
 
     def norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``rms_norm(x)``, or ``rms_norm(x + residual)`` with ``residual`` updated in place."""
         rows, d = x.shape
         out = torch.empty(rows, d, dtype=self.dtype)
-        self.k["norm"](x.data_ptr(), d, 1, _ptr(residual), weight.data_ptr(), out.data_ptr(), rows, d, eps)
+        self.k["norm"](
+            x.data_ptr(), x.stride(0), x.stride(1), _ptr(residual), weight.data_ptr(), out.data_ptr(), rows, d, eps
+        )
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
+        if gate_up.stride(1) != 1:  # column-major (a short batch's projection): the wrapper's layouts
+            out = cpu_kernels.silu_mul(gate_up)
+            return out if out is not None else activation.silu_and_mul(gate_up)
+        out = torch.empty(rows, inner, dtype=self.dtype)
+        self.k["silu_mul"](gate_up.data_ptr(), gate_up.stride(0), inner, out.data_ptr(), inner, rows, inner)
         return out
 
     def __call__(self, step: DecodeStep, x: torch.Tensor, residual: torch.Tensor | None):
         """The layer on ``x [rows, hidden]``: ``(output, residual)`` as ``DecoderLayer.forward``
         returns them, or None (nothing done) for rope tables or an ``x`` it does not read."""
         rows, dt, hd = step.rows, self.dtype, self.head_dim
-        if step.rope_half * 2 != hd or not x.is_contiguous():
+        if step.rope_half * 2 != hd or x.dtype != dt or (residual is None and not x.is_contiguous()):
             return None
         if residual is None:  # the first layer: the residual stream starts as x
             h, residual = self.norm(x, None, self.norm1, self.norm1_eps), x
         else:
             h = self.norm(x, residual, self.norm1, self.norm1_eps)
-        qkv = self.linear(h, 0)
+        qkv = self.project(h, 0)
         q = torch.empty(rows, self.heads, hd, dtype=dt)
         kv = torch.empty(2, rows, self.kv_heads, hd, dtype=dt)  # this step's k and v (the cache has them)
         self.k["qkv"](
             qkv.data_ptr(),
-            qkv.shape[1],
-            1,
+            qkv.stride(0),
+            qkv.stride(1),
             _ptr(self.q_norm),
             _ptr(self.k_norm),
             self.eps,
@@ -185,13 +202,9 @@ class LayerPlan:
         if status != 0:  # (out of memory for its partial states): the torch path
             flat_k, flat_v = attention.flat_cache(self.k_cache), attention.flat_cache(self.v_cache)
             attn = attention.decode_attention(q, flat_k, flat_v, step.meta, self.scale)
-        o = self.linear(attn.view(rows, -1), 1)
+        o = self.project(attn.view(rows, -1), 1)
         h = self.norm(o, residual, self.norm2, self.norm2_eps)
-        gate_up = self.linear(h, 2)
-        inner = gate_up.shape[1] // 2
-        act = torch.empty(rows, inner, dtype=dt)
-        self.k["silu_mul"](gate_up.data_ptr(), gate_up.shape[1], inner, act.data_ptr(), inner, rows, inner)
-        return self.linear(act, 3), residual
+        return self.project(self.silu_mul(self.project(h, 2)), 3), residual
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
