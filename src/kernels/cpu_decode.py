@@ -82,11 +82,11 @@ class LayerPlan:
         attn, mlp = layer.self_attn, layer.mlp
         k_cache, v_cache = kv_cache
         kernels = {
-            "norm": cpu_kernels._kernel("fused_ops", "add_rms_norm", dtype),
-            "silu_mul": cpu_kernels._kernel("fused_ops", "silu_mul", dtype),
-            "qkv": cpu_kernels._kernel("fused_ops", "qkv_rope_store", dtype),
-            "attention": cpu_kernels._kernel("paged_decode_attention", "paged_decode_attention", dtype),
-            "gemv": cpu_kernels._kernel("gemv", "few_rows_linear", dtype),
+            "norm": cpu_kernels.native_kernel("fused_ops", "add_rms_norm", dtype),
+            "silu_mul": cpu_kernels.native_kernel("fused_ops", "silu_mul", dtype),
+            "qkv": cpu_kernels.native_kernel("fused_ops", "qkv_rope_store", dtype),
+            "attention": cpu_kernels.native_kernel("paged_decode_attention", "paged_decode_attention", dtype),
+            "gemv": cpu_kernels.native_kernel("gemv", "few_rows_linear", dtype),
         }
         projections = qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
         heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim

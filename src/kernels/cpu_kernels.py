@@ -110,7 +110,7 @@ _SIGNATURES = {
 
 
 @functools.cache
-def _kernel(library: str, name: str, dtype: torch.dtype):
+def native_kernel(library: str, name: str, dtype: torch.dtype):
     """``name`` of ``library``'s ``dtype`` build (e.g. ``silu_mul_bf16``), typed by
     ``_SIGNATURES``; None if unavailable."""
     lib = load_library(library, dtype)
@@ -155,7 +155,7 @@ def paged_decode_attention(
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
     ):
         return None
-    kernel = _kernel("paged_decode_attention", "paged_decode_attention", q.dtype)
+    kernel = native_kernel("paged_decode_attention", "paged_decode_attention", q.dtype)
     if kernel is None:
         return None
     q = q.contiguous()
@@ -202,7 +202,7 @@ def add_rms_norm(
         or (residual is not None and not (residual.is_contiguous() and residual.shape == x.shape))
     ):
         return None
-    kernel = _kernel("fused_ops", "add_rms_norm", x.dtype)
+    kernel = native_kernel("fused_ops", "add_rms_norm", x.dtype)
     if kernel is None:
         return None
     t, d = x.shape
@@ -225,7 +225,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor | None:
         outer, inner, stride, up, out_stride = i, t, x.stride(1), i * x.stride(1), t
     else:
         return None
-    kernel = _kernel("fused_ops", "silu_mul", x.dtype)
+    kernel = native_kernel("fused_ops", "silu_mul", x.dtype)
     if kernel is None:
         return None
     kernel(_ptr(x), stride, up, _ptr(out), out_stride, outer, inner)
@@ -273,7 +273,7 @@ def qkv_rope_store(
         or any(w is not None and not (w.is_contiguous() and w.numel() == head_dim) for w in (q_norm, k_norm))
     ):
         return None
-    kernel = _kernel("fused_ops", "qkv_rope_store", qkv.dtype)
+    kernel = native_kernel("fused_ops", "qkv_rope_store", qkv.dtype)
     if kernel is None:
         return None
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype)
@@ -326,7 +326,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         or not (x.is_contiguous() and weight.is_contiguous() and (bias is None or bias.is_contiguous()))
     ):
         return None
-    kernel = _kernel("gemv", "few_rows_linear", x.dtype)
+    kernel = native_kernel("gemv", "few_rows_linear", x.dtype)
     if kernel is None:
         return None
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
