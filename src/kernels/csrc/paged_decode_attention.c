@@ -155,18 +155,11 @@ static inline __attribute__((always_inline)) vf dot_f32(const float *q, const fl
             for (int t0 = 0; t0 < len; t0 += VF) {                                                  \
                 const int m = len - t0 < VF ? len - t0 : VF;                                        \
                 vf acc[VF];                                                                         \
-                if (m == VF) { /* unrolled: the accumulators stay in registers for lane_sums */    \
-                    _Pragma("GCC unroll 16") for (int t = 0; t < VF; t++) {                         \
-                        prefetch_line(pk);                                                          \
-                        prefetch_line(pv);                                                          \
-                        acc[t] = DOT(qg, kb + (int64_t)(t0 + t) * row_stride, D);                   \
-                    }                                                                               \
-                } else {                                                                            \
-                    for (int t = 0; t < VF; t++) {                                                  \
-                        prefetch_line(pk);                                                          \
-                        prefetch_line(pv);                                                          \
-                        acc[t] = t < m ? DOT(qg, kb + (int64_t)(t0 + t) * row_stride, D) : (vf){0}; \
-                    }                                                                               \
+                /* unrolled: the accumulators stay in registers for lane_sums */                  \
+                _Pragma("GCC unroll 16") for (int t = 0; t < VF; t++) {                             \
+                    prefetch_line(pk);                                                              \
+                    prefetch_line(pv);                                                              \
+                    acc[t] = t < m ? DOT(qg, kb + (int64_t)(t0 + t) * row_stride, D) : (vf){0};     \
                 }                                                                                   \
                 *(vf *)(s[g] + t0) = lane_sums(acc) * scale;                                        \
             }                                                                                       \
