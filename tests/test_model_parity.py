@@ -138,33 +138,41 @@ def test_bundled_greedy_and_logits_match_hf(bundled):
 
 
 def test_bundled_single_sequence_decode_matches_hf(bundled, monkeypatch):
-    """One sequence decodes through the native few-row projections (csrc/gemv.c): each layer
-    as its plan's direct kernel calls (kernels/cpu_decode.py), the LM head through the wrapper."""
+    """One sequence decodes through the native few-row projections (csrc/gemv.c), each layer
+    as its plan's direct kernel calls (kernels/cpu_decode.py)."""
     from kernels import cpu_decode, cpu_kernels
 
     if cpu_kernels.load_library("gemv") is None:
         pytest.skip("no C compiler: native kernel unavailable")
-    native_calls, layer_calls = [], []
-    few_rows_linear, run_layer = cpu_kernels.few_rows_linear, cpu_decode.LayerPlan.__call__
+    gemv_calls, layer_calls = [], []
+    native_kernel, run_layer = cpu_kernels.native_kernel, cpu_decode.LayerPlan.__call__
 
-    def counted(*args):
-        out = few_rows_linear(*args)
-        native_calls.append(out is not None)
-        return out
+    def counted_kernel(library, name, dtype):
+        kernel = native_kernel(library, name, dtype)
+        if name != "few_rows_linear" or kernel is None:
+            return kernel
+
+        def gemv(*args):
+            status = kernel(*args)
+            gemv_calls.append(status == 0)
+            return status
+
+        return gemv
 
     def counted_layer(*args):
         out = run_layer(*args)
         layer_calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(cpu_kernels, "few_rows_linear", counted)
+    monkeypatch.setattr(cpu_kernels, "native_kernel", counted_kernel)
     monkeypatch.setattr(cpu_decode.LayerPlan, "__call__", counted_layer)
     config, ours, hf, _, prompts = bundled
     outs, _ = PagedRunner(ours, config).generate([prompts[4]], 32, set(config.eos_token_ids))
     assert outs[0] == hf_reference(hf, prompts[4], 32)[0]
-    # Every layer of the 31 decode steps ran as its plan, and every LM head took the kernel.
+    # Every layer of the 31 decode steps ran as its plan, and every projection of those steps
+    # (4 per layer, and the LM head) took the kernel.
     assert sum(layer_calls) == 31 * config.num_layers
-    assert sum(native_calls) >= 31
+    assert sum(gemv_calls) >= 31 * (4 * config.num_layers + 1)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])

@@ -94,7 +94,8 @@ class CpuBackend(TorchBackend):
     def __init__(self, device: torch.device, block_size: int, packed_weights: bool = False, **options: Any):
         super().__init__(device, block_size, **options)
         self.packed_weights = packed_weights
-        self._plans: dict[int, tuple[object, int, torch.dtype, cpu_decode.LayerPlan | None]] = {}
+        # per decoder layer: (the K cache and dtype it was built for, its plan or None)
+        self._plans: dict[nn.Module, tuple[torch.Tensor, torch.dtype, cpu_decode.LayerPlan | None]] = {}
         self._step: tuple[object, cpu_decode.DecodeStep | None] = (None, None)
 
     def prepare_model(self, model: nn.Module) -> None:
@@ -159,12 +160,11 @@ class CpuBackend(TorchBackend):
             self._step = meta, step
         if step is None:
             return None
-        key = id(layer)
-        cached = self._plans.get(key)
-        if cached is None or cached[0] is not layer or cached[1] != kv_cache[0].data_ptr() or cached[2] != x.dtype:
-            cached = (layer, kv_cache[0].data_ptr(), x.dtype, cpu_decode.LayerPlan.build(layer, kv_cache, x.dtype))
-            self._plans[key] = cached
-        plan = cached[3]
+        cached = self._plans.get(layer)
+        if cached is None or cached[0] is not kv_cache[0] or cached[1] != x.dtype:
+            cached = (kv_cache[0], x.dtype, cpu_decode.LayerPlan.build(layer, kv_cache, x.dtype))
+            self._plans[layer] = cached
+        plan = cached[2]
         return None if plan is None else plan(step, x, residual)
 
 

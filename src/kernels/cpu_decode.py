@@ -30,10 +30,7 @@ class DecodeStep:
     step the plans do not run (one with prefill rows)."""
 
     def __init__(self, meta: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, rows: int):
-        self.meta, self.rows = meta, rows
-        self.tables, self.lens, self.slots = meta.decode_block_tables, meta.decode_seq_lens, meta.slot_mapping
-        self.max_blocks = self.tables.shape[1]
-        self.cos, self.sin, self.rope_stride, self.rope_half = cos, sin, cos.stride(0), cos.shape[1]
+        self.meta, self.cos, self.sin, self.rows = meta, cos, sin, rows
 
     @staticmethod
     def build(meta, rope: tuple[torch.Tensor, torch.Tensor], rows: int) -> DecodeStep | None:
@@ -108,11 +105,7 @@ class LayerPlan:
             and k_cache.dim() == 4
             and v_cache.shape == k_cache.shape
             and k_cache.shape[2:] == (kv_heads, head_dim)
-            and k_cache.shape[1] <= 64
-            and heads % kv_heads == 0
-            and heads <= 64
-            and head_dim <= 256
-            and head_dim % 8 == 0
+            and cpu_kernels.decode_attention_reads(heads, kv_heads, head_dim, k_cache.shape[1])
         ):
             return None
         return LayerPlan(layer, kv_cache, dtype, kernels)
@@ -151,8 +144,8 @@ class LayerPlan:
     def __call__(self, step: DecodeStep, x: torch.Tensor, residual: torch.Tensor | None):
         """The layer on ``x [rows, hidden]``: ``(output, residual)`` as ``DecoderLayer.forward``
         returns them, or None (nothing done) for rope tables or an ``x`` it does not read."""
-        rows, dt, hd = step.rows, self.dtype, self.head_dim
-        if step.rope_half * 2 != hd or x.dtype != dt or (residual is None and not x.is_contiguous()):
+        rows, dt, hd, meta = step.rows, self.dtype, self.head_dim, step.meta
+        if step.cos.shape[1] * 2 != hd or x.dtype != dt or (residual is None and not x.is_contiguous()):
             return None
         if residual is None:  # the first layer: the residual stream starts as x
             h, residual = self.norm(x, None, self.norm1, self.norm1_eps), x
@@ -170,8 +163,8 @@ class LayerPlan:
             self.eps,
             step.cos.data_ptr(),
             step.sin.data_ptr(),
-            step.rope_stride,
-            step.slots.data_ptr(),
+            step.cos.stride(0),
+            meta.slot_mapping.data_ptr(),
             self.k_cache.data_ptr(),
             self.v_cache.data_ptr(),
             q.data_ptr(),
@@ -187,21 +180,21 @@ class LayerPlan:
             q.data_ptr(),
             self.k_cache.data_ptr(),
             self.v_cache.data_ptr(),
-            step.tables.data_ptr(),
-            step.lens.data_ptr(),
+            meta.decode_block_tables.data_ptr(),
+            meta.decode_seq_lens.data_ptr(),
             attn.data_ptr(),
             rows,
             self.heads,
             self.kv_heads,
             hd,
             self.block_size,
-            step.max_blocks,
+            meta.decode_block_tables.shape[1],
             self.scale,
             0,
         )
         if status != 0:  # (out of memory for its partial states): the torch path
             flat_k, flat_v = attention.flat_cache(self.k_cache), attention.flat_cache(self.v_cache)
-            attn = attention.decode_attention(q, flat_k, flat_v, step.meta, self.scale)
+            attn = attention.decode_attention(q, flat_k, flat_v, meta, self.scale)
         o = self.project(attn.view(rows, -1), 1)
         h = self.norm(o, residual, self.norm2, self.norm2_eps)
         return self.project(self.silu_mul(self.project(h, 2)), 3), residual

@@ -121,6 +121,12 @@ def native_kernel(library: str, name: str, dtype: torch.dtype):
     return fn
 
 
+def decode_attention_reads(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether paged_decode_attention.c reads these shapes: whole query groups, per-thread
+    buffers kept small, 8-float vectors."""
+    return heads % kv_heads == 0 and heads <= 64 and head_dim <= 256 and head_dim % 8 == 0 and block_size <= 64
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -147,11 +153,7 @@ def paged_decode_attention(
         or block_tables.dim() != 2
         or block_tables.shape[0] != n
         or seq_lens.shape != (n,)
-        or heads % kv_heads
-        or heads > 64
-        or head_dim > 256
-        or head_dim % 8  # the kernel works in 8-float vectors
-        or block_size > 64
+        or not decode_attention_reads(heads, kv_heads, head_dim, block_size)
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
     ):
         return None
