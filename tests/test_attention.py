@@ -181,6 +181,42 @@ def test_native_decode_kernel_split_kv_matches_torch_path(dtype, shares):
         assert_native_decode_matches_torch_path(q, k_cache, v_cache, seq_lens, tables, shares)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (16, 128), (8, 64), (16, 96), (16, 40)])
+def test_native_decode_kernel_shared_prefixes(dtype, block_size, head_dim):
+    """Requests whose tables start with the same blocks attend them together, then their own
+    blocks from that state. Here a group whose prefix is longer than a transposed segment, a
+    request that shares only its first block with it (better left out of the group), a group
+    whose shortest member bounds its prefix, a request whose only block is a group's first (it
+    has no block of its own past it: attended alone), a lone request and an empty one; three
+    query heads to a KV head (SmolLM2's). 96 takes the generic prefix path, 40 (not whole
+    vectors) none."""
+    num_blocks, heads, kv_heads = 160, 9, 3
+    g, k_cache, v_cache = random_paged_cache(dtype, num_blocks, head_dim, 5, block_size, kv_heads)
+    free = iter(torch.randperm(num_blocks - 1, generator=g).add(1).tolist())
+
+    def blocks(count):
+        return [next(free) for _ in range(count)]
+
+    def need(tokens):
+        return -(-tokens // block_size)
+
+    long_prefix, short_prefix = blocks(need(300) - 1), blocks(3)
+    rows = []  # (seq_len, table)
+    for seq in (300, 301, 333, 360, 420):
+        rows.append((seq, long_prefix + blocks(need(seq) - len(long_prefix))))
+    rows.append((2 * block_size + 1, long_prefix[:1] + blocks(2)))
+    rows.append((3 * block_size, short_prefix))  # shares two blocks: its last is its own
+    for seq in (4 * block_size + 3, 6 * block_size):
+        rows.append((seq, short_prefix + blocks(need(seq) - 3)))
+    rows.append((block_size, short_prefix[:1]))
+    rows += [(57, blocks(need(57))), (0, [])]
+    seq_lens, tables = [s for s, _ in rows], [t for _, t in rows]
+    q = torch.randn(len(rows), heads, head_dim, generator=g).to(dtype)
+    for shares in (0, 1, 5):
+        assert_native_decode_matches_torch_path(q, k_cache, v_cache, seq_lens, tables, shares)
+
+
 def test_native_decode_kernel_declines_what_it_does_not_read():
     q = torch.randn(2, H, D)
     k_cache = torch.zeros(8, BS, HKV, D)

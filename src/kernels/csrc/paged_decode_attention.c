@@ -1,7 +1,9 @@
 /* Paged decode attention for the CPU: one query token per request, keys/values read
  * straight from the block-structured cache through the block table (no gather copy).
  *
- * Each thread takes an equal share of all the requests' blocks; a request cut between two
+ * Blocks that several requests' tables start with (a system prompt the prefix cache shares)
+ * are attended first, for all of those requests together (Shared prefixes, below). Then each
+ * thread takes an equal share of all the requests' own blocks; a request cut between two
  * shares is attended in pieces whose softmax states are merged (below, at the entry point).
  * Per KV block (block_size tokens) and KV head:
  *   scores  VF tokens at a time, each with its own vector accumulator (independent FMA
@@ -303,7 +305,7 @@ DEFINE_BLOCK_SCORES(block_scores_bf16, elem_t, dot_bf16)
  * [H * D] and each query head's online-softmax state (running max `m`, sum `l`). */
 static void attend_blocks(const elem_t *q_i, const elem_t *k_cache, const elem_t *v_cache, const int64_t *table,
                           int64_t seq, int b0, int b1, int H, int Hkv, int D, int block_size, float scale,
-                          float *acc, float *m, float *l, int64_t after) {
+                          float *acc, float *m, float *l, int64_t after, const float *init) {
     const int G = H / Hkv;
     const int row_stride = Hkv * D;
     /* Per-thread buffers sized by the real shapes (a few KB for common models): a worker
@@ -319,11 +321,17 @@ static void attend_blocks(const elem_t *q_i, const elem_t *k_cache, const elem_t
     const float *qi = q_i;
 #endif
     float corr[MAX_HEADS], s[MAX_HEADS][MAX_BLOCK] __attribute__((aligned(64)));
-    for (int hq = 0; hq < H; hq++) {
-        m[hq] = -FLT_MAX;
-        l[hq] = 0.f;
+    if (init) { /* the state the request's shared prefix left (attend_prefix) */
+        memcpy(acc, init, sizeof(float) * H * D);
+        memcpy(m, init + H * D, sizeof(float) * H);
+        memcpy(l, init + H * D + H, sizeof(float) * H);
+    } else {
+        for (int hq = 0; hq < H; hq++) {
+            m[hq] = -FLT_MAX;
+            l[hq] = 0.f;
+        }
+        memset(acc, 0, sizeof(float) * H * D);
     }
-    memset(acc, 0, sizeof(float) * H * D);
     for (int b = b0; b < b1; b++) {
         const int64_t start = (int64_t)b * block_size;
         const int64_t base = table[b] * block_size;
@@ -379,6 +387,239 @@ static void attend_blocks(const elem_t *q_i, const elem_t *k_cache, const elem_t
     }
 }
 
+/* ---- Shared prefixes (cascade attention) ----------------------------------------------------
+ * Requests whose block tables start with the same blocks (a system prompt the prefix cache
+ * shares) attend those blocks together, as small matrix products: read once per step for all
+ * of them, and each K or V element loaded serves a tile of queries. A tile's queries lie
+ * along the vector lanes (transposed once per tile), so the scores of a token for the whole
+ * tile are D FMAs of a broadcast K element, for PREFIX_TOKENS tokens at a time; the softmax
+ * then runs lane-wise, with no sums across lanes; and the values pass keeps a few queries'
+ * output rows in registers across the segment's tokens, each V row loaded once for them. Each
+ * query ends with an online-softmax state (acc, m, l) from which attend_blocks goes on over
+ * the request's own blocks. */
+
+#define PREFIX_TILE (2 * VF) /* queries per work item */
+#define PREFIX_TOKENS 8      /* tokens scored together: 2 * 8 accumulators */
+#define PREFIX_SEGMENT 128   /* tokens per softmax update */
+
+typedef struct {
+    const int64_t *table;
+    int64_t own; /* blocks before its last: the most it may share */
+    int row;
+} RowKey;
+
+static int by_table(const void *a, const void *b) {
+    const RowKey *x = a, *y = b;
+    const int64_t len = x->own < y->own ? x->own : y->own;
+    for (int64_t i = 0; i < len; i++)
+        if (x->table[i] != y->table[i]) return x->table[i] < y->table[i] ? -1 : 1;
+    return x->own != y->own ? (x->own < y->own ? -1 : 1) : x->row - y->row;
+}
+
+typedef struct {
+    int start, count; /* the group's rows: order[start, start + count) */
+    int blocks;       /* the leading blocks they all share */
+} Group;
+
+/* Groups of two or more requests that share leading blocks, their rows listed in `order`,
+ * and `shared[r]`, the blocks row r attends in its group (0: none). A request shares only
+ * blocks it has a block past (its last, with this step's token, stays its own, so each keeps
+ * at least one block for attend_blocks). Sorted by table, requests sharing blocks are
+ * neighbours; the runs are cut where that saves the most reads (count - 1 times the shared
+ * blocks, summed), so a request sharing little with a group does not shorten its prefix.
+ * `work`: 3 * n + 2 ints. */
+static int find_groups(const int64_t *tables, const int64_t *seq_lens, int n, int max_blocks, int block_size,
+                       RowKey *keys, int *work, int *order, Group *groups, int *shared) {
+    int m = 0;
+    for (int r = 0; r < n; r++) {
+        shared[r] = 0;
+        const int64_t own = seq_lens[r] > 0 ? (seq_lens[r] - 1) / block_size : 0;
+        if (own > 0) keys[m++] = (RowKey){tables + (int64_t)r * max_blocks, own, r};
+    }
+    qsort(keys, (size_t)m, sizeof *keys, by_table);
+    int *lcp = work, *best = work + n, *from = work + 2 * n + 1; /* lcp[k]: keys k - 1 and k share */
+    for (int k = 1; k < m; k++) {
+        const int64_t len = keys[k - 1].own < keys[k].own ? keys[k - 1].own : keys[k].own;
+        int64_t b = 0;
+        while (b < len && keys[k - 1].table[b] == keys[k].table[b]) b++;
+        lcp[k] = (int)b;
+    }
+    /* best[e]: the most reads saved by groups of keys [0, e); from[e]: where its last group starts */
+    best[0] = 0;
+    for (int e = 1; e <= m; e++) {
+        best[e] = best[e - 1];
+        from[e] = e - 1;
+        int common = INT32_MAX;
+        for (int s = e - 2; s >= 0; s--) {
+            common = lcp[s + 1] < common ? lcp[s + 1] : common;
+            if (common == 0) break;
+            const int saved = best[s] + (e - 1 - s) * common;
+            if (saved > best[e]) best[e] = saved, from[e] = s;
+        }
+    }
+    int num_groups = 0;
+    for (int e = m; e > 0; e = from[e]) {
+        const int s = from[e];
+        if (e - s < 2) continue;
+        int common = INT32_MAX;
+        for (int k = s + 1; k < e; k++) common = lcp[k] < common ? lcp[k] : common;
+        for (int k = s; k < e; k++) {
+            order[k] = keys[k].row;
+            shared[keys[k].row] = common;
+        }
+        groups[num_groups++] = (Group){s, e - s, common};
+    }
+    return num_groups;
+}
+
+/* acc[j] = acc[j] * corr[j] + sum_t p[t][j] * v[t] for JC queries (head dim NVC * VF): each V
+ * row loaded once for all JC, whose output rows stay in registers across the `len` tokens. */
+#define DEFINE_PREFIX_VALUES(NAME, NVC, JC)                                                         \
+    static inline void NAME(float *const *acc, const float *corr, const float *p,                  \
+                            const float *const *v_rows, int len) {                                  \
+        vf r[JC][NVC];                                                                              \
+        for (int j = 0; j < JC; j++)                                                                \
+            for (int c = 0; c < NVC; c++) r[j][c] = ((const vf *)acc[j])[c] * corr[j];              \
+        for (int t = 0; t < len; t++) {                                                             \
+            vf x[NVC];                                                                              \
+            for (int c = 0; c < NVC; c++) x[c] = ((const vf *)v_rows[t])[c];                        \
+            for (int j = 0; j < JC; j++) {                                                          \
+                const float pj = p[t * PREFIX_TILE + j];                                            \
+                for (int c = 0; c < NVC; c++) r[j][c] += pj * x[c];                                 \
+            }                                                                                       \
+        }                                                                                           \
+        for (int j = 0; j < JC; j++)                                                                \
+            for (int c = 0; c < NVC; c++) ((vf *)acc[j])[c] = r[j][c];                              \
+    }
+
+DEFINE_PREFIX_VALUES(prefix_values_d64_4, 64 / VF, 4)
+DEFINE_PREFIX_VALUES(prefix_values_d64_1, 64 / VF, 1)
+DEFINE_PREFIX_VALUES(prefix_values_d128_2, 128 / VF, 2)
+DEFINE_PREFIX_VALUES(prefix_values_d128_1, 128 / VF, 1)
+
+/* The generic head dim (a multiple of VF), one query at a time. */
+static inline void prefix_values_any(float *acc, float corr, const float *p, const float *const *v_rows, int len,
+                                     int D) {
+    for (int d = 0; d < D; d += VF) {
+        vf r = *(const vf *)(acc + d) * corr;
+        for (int t = 0; t < len; t++) r += p[t * PREFIX_TILE] * *(const vf *)(v_rows[t] + d);
+        *(vf *)(acc + d) = r;
+    }
+}
+
+/* The values pass of a tile's `nq` queries (p: [len][PREFIX_TILE]). */
+static void prefix_values(float *const *acc, const float *corr, const float *p, const float *const *v_rows, int len,
+                          int nq, int D) {
+    int j = 0;
+    if (D == 64)
+        for (; j + 4 <= nq; j += 4) prefix_values_d64_4(acc + j, corr + j, p + j, v_rows, len);
+    if (D == 128)
+        for (; j + 2 <= nq; j += 2) prefix_values_d128_2(acc + j, corr + j, p + j, v_rows, len);
+    for (; j < nq; j++) {
+        if (D == 64)
+            prefix_values_d64_1(acc + j, corr + j, p + j, v_rows, len);
+        else if (D == 128)
+            prefix_values_d128_1(acc + j, corr + j, p + j, v_rows, len);
+        else
+            prefix_values_any(acc[j], corr[j], p + j, v_rows, len, D);
+    }
+}
+
+/* The scores of PREFIX_TOKENS tokens (rows k_rows[0..]) for a tile's queries (qt: [D][PREFIX_TILE],
+ * scaled), into p [PREFIX_TOKENS][PREFIX_TILE]. */
+static inline void prefix_scores(const float *qt, const float *const *k_rows, int D, float *p) {
+    vf s[PREFIX_TOKENS][2] = {{{0}}};
+    for (int d = 0; d < D; d++) {
+        const vf q0 = *(const vf *)(qt + d * PREFIX_TILE), q1 = *(const vf *)(qt + d * PREFIX_TILE + VF);
+        for (int i = 0; i < PREFIX_TOKENS; i++) {
+            const float k = k_rows[i][d];
+            s[i][0] += k * q0;
+            s[i][1] += k * q1;
+        }
+    }
+    for (int i = 0; i < PREFIX_TOKENS; i++) {
+        *(vf *)(p + i * PREFIX_TILE) = s[i][0];
+        *(vf *)(p + i * PREFIX_TILE + VF) = s[i][1];
+    }
+}
+
+/* Queries [first, first + nq) of a group (nq <= PREFIX_TILE), KV head h, over its shared prefix
+ * (`tokens` long, in blocks `table`): query j is query head h * G + j % G of row rows[j / G],
+ * so a tile may start or end mid-row. Their states are
+ * written into `states` (acc [H * D], m [H], l [H] per row, `part_floats` apart). `buf`: the
+ * thread's prefix_buffer_floats(D). */
+static void attend_prefix(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache, const int64_t *table,
+                          int tokens, const int *rows, int first, int nq, int h, int H, int Hkv, int D,
+                          int block_size, float scale, float *states, int64_t part_floats, float *buf) {
+    const int G = H / Hkv;
+    const int64_t row_stride = (int64_t)Hkv * D;
+    float *qt = buf, *p = qt + D * PREFIX_TILE; /* [D][PREFIX_TILE], [PREFIX_SEGMENT][PREFIX_TILE] */
+    static const float zeros[256] __attribute__((aligned(64)));
+    const float *k_rows[PREFIX_SEGMENT + PREFIX_TOKENS], *v_rows[PREFIX_SEGMENT];
+    float *acc[PREFIX_TILE], m[PREFIX_TILE], l[PREFIX_TILE], corr[PREFIX_TILE], mx[PREFIX_TILE], sum[PREFIX_TILE];
+    for (int j = 0; j < PREFIX_TILE; j++) {
+        m[j] = -FLT_MAX;
+        l[j] = 0.f;
+        if (j < nq) {
+            const int row = rows[(first + j) / G], hq = h * G + (first + j) % G;
+            const elem_t *qj = q + ((int64_t)row * H + hq) * D;
+            for (int d = 0; d < D; d++) qt[d * PREFIX_TILE + j] = ld(qj[d]) * scale;
+            acc[j] = states + row * part_floats + (int64_t)hq * D;
+            memset(acc[j], 0, sizeof(float) * (size_t)D);
+        } else {
+            for (int d = 0; d < D; d++) qt[d * PREFIX_TILE + j] = 0.f;
+        }
+    }
+    for (int seg = 0; seg < tokens; seg += PREFIX_SEGMENT) {
+        const int T = tokens - seg < PREFIX_SEGMENT ? tokens - seg : PREFIX_SEGMENT;
+        for (int t = 0; t < T; t++) {
+            const int64_t tok = seg + t;
+            const int64_t at = (table[tok / block_size] * block_size + tok % block_size) * row_stride + (int64_t)h * D;
+#ifdef ELEM_BF16
+            float *kw = p + PREFIX_SEGMENT * PREFIX_TILE + (int64_t)t * D, *vw = kw + PREFIX_SEGMENT * D;
+            for (int d = 0; d < D; d++) kw[d] = ld(k_cache[at + d]);
+            for (int d = 0; d < D; d++) vw[d] = ld(v_cache[at + d]);
+            k_rows[t] = kw;
+            v_rows[t] = vw;
+#else
+            k_rows[t] = k_cache + at;
+            v_rows[t] = v_cache + at;
+#endif
+        }
+        for (int t = T; t < T + PREFIX_TOKENS; t++) k_rows[t] = zeros; /* a last partial group scores zeros */
+        for (int t0 = 0; t0 < T; t0 += PREFIX_TOKENS) prefix_scores(qt, k_rows + t0, D, p + t0 * PREFIX_TILE);
+        /* the online softmax, lane-wise: the tile's queries side by side */
+        for (int j = 0; j < PREFIX_TILE; j++) {
+            mx[j] = m[j];
+            sum[j] = 0.f;
+        }
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < PREFIX_TILE; j++) mx[j] = p[t * PREFIX_TILE + j] > mx[j] ? p[t * PREFIX_TILE + j] : mx[j];
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < PREFIX_TILE; j++) {
+                p[t * PREFIX_TILE + j] = expf(p[t * PREFIX_TILE + j] - mx[j]);
+                sum[j] += p[t * PREFIX_TILE + j];
+            }
+        for (int j = 0; j < PREFIX_TILE; j++) {
+            corr[j] = expf(m[j] - mx[j]);
+            l[j] = l[j] * corr[j] + sum[j];
+            m[j] = mx[j];
+        }
+        prefix_values(acc, corr, p, v_rows, T, nq, D);
+    }
+    for (int j = 0; j < nq; j++) {
+        const int row = rows[(first + j) / G], hq = h * G + (first + j) % G;
+        states[row * part_floats + H * D + hq] = m[j];
+        states[row * part_floats + H * D + H + hq] = l[j];
+    }
+}
+
+/* Floats of a thread's buffer for attend_prefix: the tile's queries and scores (and in the
+ * bf16 build the segment's K and V rows widened). */
+static inline size_t prefix_buffer_floats(int D) {
+    return (size_t)(D + PREFIX_SEGMENT) * PREFIX_TILE + (sizeof(elem_t) < sizeof(float) ? 2 * PREFIX_SEGMENT * D : 0);
+}
+
 /* A request's output rows from the states of its `parts` pieces (each acc [H * D], m [H],
  * l [H], `part_floats` apart): every piece rescaled to the largest max, then normalised. */
 static void write_merged(elem_t *out, const float *states, int parts, int64_t part_floats, int H, int D) {
@@ -416,37 +657,81 @@ typedef struct {
     int slot;        /* of a split request: its partial state's index; else -1 */
 } Piece;
 
+/* The prefix pass: every group's prefix, per KV head and tile of its queries, into `states`
+ * (per row, as attend_blocks keeps them). Returns -1 when out of memory. */
+static int attend_prefixes(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache, const int64_t *block_tables,
+                           int max_blocks, const Group *groups, int num_groups, const int *order, int H, int Hkv,
+                           int D, int block_size, float scale, float *states, int64_t part_floats) {
+    const int G = H / Hkv;
+    int items = 0;
+    for (int g = 0; g < num_groups; g++) items += Hkv * ((groups[g].count * G + PREFIX_TILE - 1) / PREFIX_TILE);
+    const size_t buf_floats = prefix_buffer_floats(D);
+    float *bufs = aligned_alloc(64, sizeof(float) * buf_floats * (size_t)omp_get_max_threads());
+    if (!bufs) return -1;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int it = 0; it < items; it++) {
+        int g = 0, k = it, per;
+        while (k >= (per = Hkv * ((groups[g].count * G + PREFIX_TILE - 1) / PREFIX_TILE))) k -= per, g++;
+        const Group gr = groups[g];
+        const int h = k % Hkv, j0 = k / Hkv * PREFIX_TILE; /* the tile's first query in the group */
+        const int nq = gr.count * G - j0 < PREFIX_TILE ? gr.count * G - j0 : PREFIX_TILE;
+        attend_prefix(q, k_cache, v_cache, block_tables + (int64_t)order[gr.start] * max_blocks, gr.blocks * block_size,
+                      order + gr.start, j0, nq, h, H, Hkv, D, block_size, scale, states, part_floats,
+                      bufs + buf_floats * (size_t)omp_get_thread_num());
+    }
+    free(bufs);
+    return 0;
+}
+
 /* Returns 0, or -1 when out of memory (the caller then takes the torch path). `chunks` <= 0:
  * one per thread. */
 int KERNEL(paged_decode_attention)(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache,
                                    const int64_t *block_tables, const int64_t *seq_lens, elem_t *out,
                                    int n, int H, int Hkv, int D, int block_size, int max_blocks,
                                    float scale, int chunks) {
-    int64_t total = 0;
-    for (int i = 0; i < n; i++) total += blocks_of(seq_lens[i], block_size);
+    const int64_t part_floats = (int64_t)H * D + 2 * H; /* a state: acc [H * D], then m [H], then l [H] */
     if (chunks <= 0) chunks = omp_get_max_threads();
+    int status = -1;
+    float *prefix_states = NULL, *partials = NULL;
+    RowKey *keys = malloc(sizeof(RowKey) * (size_t)n);
+    Group *groups = malloc(sizeof(Group) * (size_t)(n / 2 + 1));
+    Piece *pieces = malloc(sizeof(Piece) * (size_t)(n + chunks));
+    int *ints = malloc(sizeof(int) * (size_t)(7 * n + 3 + chunks));
+    if (!keys || !groups || !pieces || !ints) goto done;
+    int *order = ints, *shared = ints + n, *work = ints + 2 * n, *num_pieces = ints + 5 * n + 2;
+    int *first = ints + 6 * n + 2; /* chunks + 1 */
+
+    /* The shared prefixes first: their states are where the requests' own blocks start. */
+    const int num_groups = n >= 2 && D % VF == 0 ? find_groups(block_tables, seq_lens, n, max_blocks, block_size,
+                                                               keys, work, order, groups, shared)
+                                                 : 0;
+    if (num_groups) {
+        prefix_states = malloc(sizeof(float) * (size_t)(n * part_floats));
+        if (!prefix_states || attend_prefixes(q, k_cache, v_cache, block_tables, max_blocks, groups, num_groups, order,
+                                              H, Hkv, D, block_size, scale, prefix_states, part_floats))
+            goto done;
+    } else {
+        for (int r = 0; r < n; r++) shared[r] = 0;
+    }
+
+    /* Then each request's own blocks, cut into `chunks` equal shares. */
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) total += blocks_of(seq_lens[i], block_size) - shared[i];
     if (chunks > total) chunks = total > 0 ? (int)total : 1; /* no empty chunks: every piece has a block */
     /* Pieces in order (by chunk, then by request: both ascend together); chunk c owns pieces
      * [first[c], first[c + 1]). A request's pieces are consecutive. */
-    Piece *pieces = malloc(sizeof(Piece) * (size_t)(n + chunks));
-    int *first = malloc(sizeof(int) * (size_t)(chunks + 1 + n)), *num_pieces = first + chunks + 1;
-    if (!pieces || !first) {
-        free(pieces);
-        free(first);
-        return -1;
-    }
     int count = 0, i = 0;
-    int64_t start_of_i = 0; /* block offset of request i in the end-to-end order */
+    int64_t start_of_i = 0; /* where request i's own blocks start in the end-to-end order */
     for (int r = 0; r < n; r++) num_pieces[r] = 0;
     for (int c = 0; c < chunks; c++) {
         const int64_t lo = total * c / chunks, hi = total * (c + 1) / chunks;
         first[c] = count;
         for (; i < n; i++) {
-            const int64_t blocks = blocks_of(seq_lens[i], block_size), end_of_i = start_of_i + blocks;
+            const int64_t blocks = blocks_of(seq_lens[i], block_size) - shared[i], end_of_i = start_of_i + blocks;
             if (blocks > 0 && start_of_i < hi) {
                 const int64_t b0 = (lo > start_of_i ? lo : start_of_i) - start_of_i;
                 const int64_t b1 = (hi < end_of_i ? hi : end_of_i) - start_of_i;
-                pieces[count++] = (Piece){i, (int)b0, (int)b1, -1};
+                pieces[count++] = (Piece){i, shared[i] + (int)b0, shared[i] + (int)b1, -1};
                 num_pieces[i]++;
             }
             if (end_of_i > hi) break; /* request i goes on in the next chunk */
@@ -456,17 +741,12 @@ int KERNEL(paged_decode_attention)(const elem_t *q, const elem_t *k_cache, const
     first[chunks] = count;
     for (int r = 0; r < n; r++) /* no keys: zeros, as the torch path gives */
         if (seq_lens[r] <= 0) memset(out + (int64_t)r * H * D, 0, sizeof(elem_t) * (size_t)H * D);
-    /* Partial states of the pieces of split requests: acc [H * D], then m [H], then l [H]. */
+    /* Partial states of the pieces of split requests. */
     int num_partials = 0;
     for (int k = 0; k < count; k++)
         if (num_pieces[pieces[k].req] > 1) pieces[k].slot = num_partials++;
-    const int64_t part_floats = (int64_t)H * D + 2 * H;
-    float *partials = num_partials ? malloc(sizeof(float) * (size_t)(num_partials * part_floats)) : NULL;
-    if (num_partials && !partials) {
-        free(pieces);
-        free(first);
-        return -1;
-    }
+    partials = num_partials ? malloc(sizeof(float) * (size_t)(num_partials * part_floats)) : NULL;
+    if (num_partials && !partials) goto done;
 #pragma omp parallel for schedule(static, 1)
     for (int c = 0; c < chunks; c++) {
         for (int k = first[c]; k < first[c + 1]; k++) {
@@ -477,9 +757,10 @@ int KERNEL(paged_decode_attention)(const elem_t *q, const elem_t *k_cache, const
             const int64_t after = k + 1 < first[c + 1]
                                       ? block_tables[(int64_t)pieces[k + 1].req * max_blocks + pieces[k + 1].b0]
                                       : -1;
+            const float *init = shared[pc.req] && pc.b0 == shared[pc.req] ? prefix_states + pc.req * part_floats : NULL;
             attend_blocks(q + (int64_t)pc.req * H * D, k_cache, v_cache, block_tables + (int64_t)pc.req * max_blocks,
                           seq_lens[pc.req], pc.b0, pc.b1, H, Hkv, D, block_size, scale, state, state + H * D,
-                          state + H * D + H, after);
+                          state + H * D + H, after, init);
             if (pc.slot < 0) write_merged(out + (int64_t)pc.req * H * D, whole, 1, part_floats, H, D);
         }
     }
@@ -488,8 +769,13 @@ int KERNEL(paged_decode_attention)(const elem_t *q, const elem_t *k_cache, const
         if (pieces[k].slot >= 0)
             write_merged(out + (int64_t)pieces[k].req * H * D, partials + pieces[k].slot * part_floats,
                          num_pieces[pieces[k].req], part_floats, H, D);
+    status = 0;
+done:
     free(partials);
+    free(prefix_states);
+    free(ints);
     free(pieces);
-    free(first);
-    return 0;
+    free(groups);
+    free(keys);
+    return status;
 }
