@@ -8,13 +8,13 @@ import torch.nn.functional as F
 from kernels import cpu_kernels
 from kernels.linear import (
     COLUMN_BLOCK,
-    PACKED_MAX_ROWS,
     TRANSPOSED_MAX_ROWS,
     WIDE_MIN_COLUMNS,
     can_pack,
     few_rows_max,
     linear,
     pack_weight,
+    packed_max_rows,
 )
 
 
@@ -66,7 +66,7 @@ def test_few_rows_linear_declines_what_it_does_not_read():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rows", [1, 40, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1])  # few-row kernel, packed, unpacked
+@pytest.mark.parametrize("rows", [1, 40, 256, 257, 512])  # few-row kernel, packed, past bf16's packed rows
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("column_major_x", [False, True])  # what linear(row_major=False) hands on
 def test_packed_weight_matches_f_linear(dtype, rows, with_bias, column_major_x):
@@ -86,14 +86,14 @@ def test_packed_weight_matches_f_linear(dtype, rows, with_bias, column_major_x):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_linear_takes_the_packed_weight_only_between_few_rows_and_prefill(dtype):
+def test_linear_takes_the_packed_weight_past_few_rows_up_to_its_dtype_limit(dtype):
     if not can_pack(dtype):
         pytest.skip(f"no packed GEMM for {dtype} in this torch build")
     w = torch.randn(160, 96).to(dtype)
     marked = pack_weight(2 * w)  # a packed weight that gives itself away
-    few = few_rows_max(dtype, packed=True)
-    for rows in (1, few, few + 1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):
+    few, most = few_rows_max(dtype, packed=True), packed_max_rows(dtype)
+    for rows in (1, few, few + 1, 256, 257, 512):
         x = torch.randn(rows, 96).to(dtype)
         ratio = (linear(x, w, packed=marked).float().norm() / F.linear(x, w).float().norm()).item()
-        used = few < rows <= PACKED_MAX_ROWS
+        used = few < rows <= most
         assert ratio == pytest.approx(2.0 if used else 1.0, rel=0.02), rows

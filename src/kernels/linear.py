@@ -12,10 +12,11 @@ Four shapes are slow with torch's CPU GEMMs as ``F.linear``, measured rather tha
 * Wide outputs (a large vocabulary's LM head) in fp32: one GEMM over the whole weight runs
   slower than the layer projections; column blocks of ``COLUMN_BLOCK`` weight rows, each
   written straight into its slice of the output, are faster and already row-major.
-* Decode batches: a copy of the weight packed once into the GEMM's own layout
-  (``pack_weight``: MKL's packed sgemm in fp32, oneDNN's blocked layout in bf16) beats the
-  forms above up to ``PACKED_MAX_ROWS`` rows; it costs the weights' memory again, so
-  ``resolve.py`` decides whether to keep it.
+* Decode batches and prefill chunks: a copy of the weight packed once into the GEMM's own
+  layout (``pack_weight``: MKL's packed sgemm in fp32, oneDNN's blocked layout in bf16) beats
+  the forms above past the few-row kernel, in fp32 at any row count (or matches them), in bf16
+  up to ``packed_max_rows`` (past it oneDNN's blocked layout loses to the plain GEMM on AMX); it
+  costs the weights' memory again, so ``resolve.py`` decides whether to keep it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch.nn.functional as F
 
 from . import cpu_kernels
 
-PACKED_MAX_ROWS = 256  # rows up to which a packed weight is used (see the docstring)
+PACKED_MAX_ROWS = {torch.float32: 1 << 62, torch.bfloat16: 256}  # rows up to which a packed weight is used
+PACK_ROWS_HINT = 256  # the batch size the packing is tuned for (any batch may use it)
 TRANSPOSED_MAX_ROWS = 64
 COLUMN_BLOCK = 1024  # weight rows per block of a wide projection
 WIDE_MIN_COLUMNS = 8 * COLUMN_BLOCK
@@ -52,6 +54,10 @@ def few_rows_max(dtype: torch.dtype, packed: bool) -> int:
     return FEW_ROWS_MAX.get((dtype, packed), 0)
 
 
+def packed_max_rows(dtype: torch.dtype) -> int:
+    return PACKED_MAX_ROWS.get(dtype, 0)
+
+
 def can_pack(dtype: torch.dtype) -> bool:
     """Whether ``pack_weight`` has a packed GEMM for CPU weights of ``dtype``."""
     if dtype == torch.float32:
@@ -64,8 +70,8 @@ def can_pack(dtype: torch.dtype) -> bool:
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """A CPU weight ``[N, K]`` in the packed layout ``linear(..., packed=)`` takes."""
     if weight.dtype == torch.float32:
-        return torch.ops.mkl._mkl_reorder_linear_weight(weight, PACKED_MAX_ROWS)
-    return torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_MAX_ROWS)
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS_HINT)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
 
 
 def linear(
@@ -78,14 +84,14 @@ def linear(
     """``[T, N]``; with ``row_major=False`` a short CPU batch's result may stay column-major
     (the transposed view of ``weight @ x.T``, strides ``(1, T)``) for consumers that read
     any strides (the fused kernels in ``cpu_kernels``), saving the transpose copy.
-    ``packed``: ``pack_weight(weight)``, used for batches of a few dozen to ``PACKED_MAX_ROWS``."""
+    ``packed``: ``pack_weight(weight)``, used past the few-row kernel up to ``packed_max_rows``."""
     if not x.is_cpu or x.dim() != 2:
         return F.linear(x, weight, bias)
     if x.shape[0] <= few_rows_max(x.dtype, packed is not None):
         out = cpu_kernels.few_rows_linear(x, weight, bias)
         if out is not None:
             return out
-    if packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
+    if packed is not None and x.shape[0] <= packed_max_rows(x.dtype):
         if x.dtype == torch.float32:
             # (the batch size argument only guards a fallback: the packed layout fits any)
             return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])

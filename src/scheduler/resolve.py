@@ -283,8 +283,8 @@ def _num_kv_blocks(
 def _cpu_packed_weights(
     config: EngineConfig, dtype: torch.dtype, weight_bytes: int, kv_bytes: int, packed: bool
 ) -> bool:
-    """A packed copy of the projections speeds up CPU batches of a few dozen rows
-    (kernels/linear.py) at the cost of the weights' memory again."""
+    """A packed copy of the projections speeds up CPU decode batches past a few rows and
+    fp32 prefill chunks (kernels/linear.py) at the cost of the weights' memory again."""
     if not can_pack(dtype) or (dtype == torch.bfloat16 and not cpu_has_bf16()):
         return False  # (oneDNN would emulate bf16)
     if config.cpu_packed_weights is not None:
