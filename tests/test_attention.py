@@ -185,7 +185,7 @@ def test_native_decode_kernel_split_kv_matches_torch_path(dtype, shares):
 @pytest.mark.parametrize("block_size,head_dim", [(16, 64), (16, 128), (8, 64), (16, 96), (16, 40)])
 def test_native_decode_kernel_shared_prefixes(dtype, block_size, head_dim):
     """Requests whose tables start with the same blocks attend them together, then their own
-    blocks from that state. Here a group whose prefix is longer than a transposed segment, a
+    blocks from that state. Here a group whose prefix is longer than a softmax segment, a
     request that shares only its first block with it (better left out of the group), a group
     whose shortest member bounds its prefix, a request whose only block is a group's first (it
     has no block of its own past it: attended alone), a lone request and an empty one; three
