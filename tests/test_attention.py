@@ -186,11 +186,11 @@ def test_native_decode_kernel_split_kv_matches_torch_path(dtype, shares):
 def test_native_decode_kernel_shared_prefixes(dtype, block_size, head_dim):
     """Requests whose tables start with the same blocks attend them together, then their own
     blocks from that state. Here a group whose prefix is longer than a softmax segment, a
-    request that shares only its first block with it (better left out of the group), a group
-    whose shortest member bounds its prefix, a request whose only block is a group's first (it
-    has no block of its own past it: attended alone), a lone request and an empty one; three
-    query heads to a KV head (SmolLM2's). 96 takes the generic prefix path, 40 (not whole
-    vectors) none."""
+    request that shares only its first block with it (whether the kernel groups it is a speed
+    choice: the result is the same either way), a group whose shortest member bounds its
+    prefix, a request whose only block is a group's first (it has no block of its own past it:
+    attended alone), a lone request and an empty one; three query heads to a KV head (SmolLM2's).
+    96 takes the generic prefix path, 40 (not whole vectors) none."""
     num_blocks, heads, kv_heads = 160, 9, 3
     g, k_cache, v_cache = random_paged_cache(dtype, num_blocks, head_dim, 5, block_size, kv_heads)
     free = iter(torch.randperm(num_blocks - 1, generator=g).add(1).tolist())

@@ -21,12 +21,14 @@ Four shapes are slow with torch's CPU GEMMs as ``F.linear``, measured rather tha
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels
 
-PACKED_MAX_ROWS = {torch.float32: 1 << 62, torch.bfloat16: 256}  # rows up to which a packed weight is used
+PACKED_MAX_ROWS = {torch.float32: sys.maxsize, torch.bfloat16: 256}  # rows up to which a packed weight is used
 PACK_ROWS_HINT = 256  # the batch size the packing is tuned for (any batch may use it)
 TRANSPOSED_MAX_ROWS = 64
 COLUMN_BLOCK = 1024  # weight rows per block of a wide projection

@@ -422,7 +422,7 @@ typedef struct {
 } Group;
 
 /* Groups of two or more requests that share leading blocks, their rows listed in `order`,
- * and `shared[r]`, the blocks row r attends in its group (0: none). A request shares only
+ * and `shared[r]` (zeros on entry) set to the blocks row r attends in its group. A request shares only
  * blocks it has a block past (its last, with this step's token, stays its own, so each keeps
  * at least one block for attend_blocks). Sorted by table, requests sharing blocks are
  * neighbours; the runs are cut where that saves the most reads (count - 1 times the shared
@@ -432,7 +432,6 @@ static int find_groups(const int64_t *tables, const int64_t *seq_lens, int n, in
                        RowKey *keys, int *work, int *order, Group *groups, int *shared) {
     int m = 0;
     for (int r = 0; r < n; r++) {
-        shared[r] = 0;
         const int64_t own = seq_lens[r] > 0 ? (seq_lens[r] - 1) / block_size : 0;
         if (own > 0) keys[m++] = (RowKey){tables + (int64_t)r * max_blocks, own, r};
     }
@@ -713,6 +712,7 @@ int KERNEL(paged_decode_attention)(const elem_t *q, const elem_t *k_cache, const
     int *first = ints + 6 * n + 2; /* chunks + 1 */
 
     /* The shared prefixes first: their states are where the requests' own blocks start. */
+    for (int r = 0; r < n; r++) shared[r] = 0;
     const int num_groups = n >= 2 && D % VF == 0 ? find_groups(block_tables, seq_lens, n, max_blocks, block_size,
                                                                keys, work, order, groups, shared)
                                                  : 0;
@@ -721,8 +721,6 @@ int KERNEL(paged_decode_attention)(const elem_t *q, const elem_t *k_cache, const
         if (!prefix_states || attend_prefixes(q, k_cache, v_cache, block_tables, max_blocks, groups, num_groups, order,
                                               H, Hkv, D, block_size, scale, prefix_states, part_floats))
             goto done;
-    } else {
-        for (int r = 0; r < n; r++) shared[r] = 0;
     }
 
     /* Then each request's own blocks, cut into `chunks` equal shares. */
