@@ -83,6 +83,23 @@ def test_prefix_cache_hit_reports_cached_tokens_and_same_output(loaded):
     assert_no_leak(engine)
 
 
+def test_requests_sharing_a_cached_prefix_decode_as_without_the_cache(loaded):
+    """Requests behind one cached system prompt decode together with their tables starting at
+    the same blocks, which the CPU decode attention attends for all of them at once
+    (csrc/paged_decode_attention.c, shared prefixes): the same tokens as each on its own blocks."""
+    system = prompts(1, seed=5)[0] * 2  # 40-140 tokens: whole 16-token blocks to share
+    batch = [system + question for question in prompts(6, seed=6)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    expected = [c.output_ids for c in make_engine(loaded, enable_prefix_caching=False).generate(batch, params)]
+    engine = make_engine(loaded)
+    engine.generate([system + [7]], GREEDY)  # caches the system prompt's blocks
+    out = engine.generate(batch, params)
+    assert all(c.num_cached_tokens >= len(system) // 16 * 16 > 0 for c in out)
+    assert engine.stats.max_batch_size == len(batch)
+    assert [c.output_ids for c in out] == expected
+    assert_no_leak(engine)
+
+
 def test_chunked_prefill_gives_same_tokens(loaded, reference):
     engine = make_engine(loaded, max_num_batched_tokens=16, enable_prefix_caching=False)
     out = engine.generate(prompts(6), GREEDY)
