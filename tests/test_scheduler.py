@@ -269,7 +269,7 @@ def test_queue_limit_counts_only_requests_beyond_the_free_running_slots():
     sched = Scheduler(SchedulerConfig(2, 2048, 8192, max_queued_requests=1), KVCacheManager(pool), frozenset({2}))
     for i in range(2):  # both start at the next step
         add(sched, f"r{i}", [5, 6, 7], max_new=4)
-    held = sched.add_request(AddRequest("r2", [5, 6, 7], SamplingParams(max_new_tokens=4)), hold=True)  # counts
+    held = sched.add_request(AddRequest("r2", [5, 6, 7], SamplingParams(max_new_tokens=4)), holds=frozenset({"grammar"}))  # counts
     with pytest.raises(AdmissionError) as e:
         add(sched, "over", [5, 6, 7])
     assert e.value.code == "RESOURCE_EXHAUSTED" and "queue is full" in str(e.value) and "retry" in str(e.value)
@@ -277,7 +277,7 @@ def test_queue_limit_counts_only_requests_beyond_the_free_running_slots():
     step(sched, sched.schedule(), [9, 9])  # r0, r1 run; r2 still held: still full
     with pytest.raises(AdmissionError):
         add(sched, "over", [5, 6, 7])
-    sched.release_held(held)
+    sched.release_held(held, "grammar")
     run(sched)
     add(sched, "later", [5, 6, 7])  # room again once the queue drains
     run(sched)

@@ -23,7 +23,9 @@ class OneStepEngine:
         self.heartbeat: HeartbeatThread | None = None
         self.beats_in_step = []
 
-    def has_work(self) -> bool:
+    disagg = None
+
+    def has_step_work(self) -> bool:
         return self.steps_left > 0
 
     def step(self) -> StepOutput:

@@ -17,6 +17,17 @@ import msgspec
 PROFILE_MAX_TRACES = 20  # traces StartProfile keeps by default (one with stacks is large)
 
 
+class DisaggregationConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Prefill/decode disaggregation (``--disaggregation-*``; scheduler/disagg/)."""
+
+    mode: str  # "prefill" | "decode"
+    host: str  # this daemon's address as its PD peer reaches it (bootstrap server, transfers)
+    bootstrap_port: int = 8998  # a prefill daemon's bootstrap server (SGLang's default)
+    transfer_backend: str = "mooncake"  # "memcpy": both engines in one process (tests)
+    bootstrap_timeout_s: float = 300.0  # a leg whose partner does not show up within this fails
+    waiting_timeout_s: float = 300.0  # decode: registered KV that does not arrive within this fails
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     """What the user asked for (the CLI's flags; "auto" and None: the device's default, see
     ``DEVICE_DEFAULTS``). :func:`resolve` turns it into a :class:`ResolvedConfig`."""
@@ -61,6 +72,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # StartProfile writes traces only inside this directory; None: SGLANG_TORCH_PROFILER_DIR, else off
     profile_dir: str | None = None
     profile_max_traces: int = PROFILE_MAX_TRACES  # traces kept under profile_dir; older ones are deleted
+    disaggregation: DisaggregationConfig | None = None  # None: --disaggregation-mode null
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
+
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .grammar_compiles import GrammarCompiles
@@ -71,6 +73,12 @@ class Engine:
             rc.constrained_json_any_whitespace,
         )  # for requests held meanwhile
         logger.info("overlap schedule: %s", "on" if self.overlap else "off")
+        self.disagg = None  # the prefill or decode side of PD disaggregation (disagg/)
+        if rc.disaggregation is not None:
+            from .disagg import build_coordinator
+
+            self.disagg = build_coordinator(rc.disaggregation, self.scheduler, self.kv, self.runner, self.abort)
+            self.scheduler.on_retire = self.disagg.on_retire
         self.load = LoadSnapshot(max_total_num_tokens=self.kv.capacity_tokens)
 
     # -- requests ----------------------------------------------------------------------
@@ -82,11 +90,26 @@ class Engine:
         bad = out_of_vocabulary(msg.input_ids, vocab)  # (as the servicer: no path may reach the embedding with one)
         if bad is not None:
             raise AdmissionError("INVALID_ARGUMENT", f"token id {bad} is outside the vocabulary (size {vocab})")
+        holds = set()
+        if msg.disagg is not None:
+            if self.disagg is None:
+                raise AdmissionError(
+                    "INVALID_ARGUMENT", "disaggregated_params sent to a daemon running --disaggregation-mode null"
+                )
+            self.disagg.check(msg.disagg)
+            holds.add("bootstrap" if self.disagg.mode == "prefill" else "kv")
+            if self.disagg.mode == "decode" and msg.sampling.wants_input_logprobs:
+                # the prompt's logprobs come with the prefill leg (the router merges them)
+                msg = msgspec.structs.replace(msg, sampling=msgspec.structs.replace(msg.sampling, logprob_start_len=-1))
         sp = msg.sampling
+        if sp.constraint_kind:
+            holds.add("grammar")
         checker = self._stop_checker(msg) if sp.stop else None
-        req = self.scheduler.add_request(msg, hold=bool(sp.constraint_kind), stop_checker=checker)
+        req = self.scheduler.add_request(msg, holds=frozenset(holds), stop_checker=checker)
         if sp.constraint_kind:
             self.grammars.submit(req, sp.constraint_kind, sp.constraint)
+        if msg.disagg is not None:
+            self.disagg.add(req, msg.disagg, msg.cache_salt)
         return req
 
     def _stop_checker(self, msg: AddRequest):
@@ -106,7 +129,7 @@ class Engine:
         that overran the compile time limit."""
         done = self.grammars.poll(wait_briefly=not self.scheduler.has_work() and self.inflight is None)
         for req, matcher in done.ready:
-            self.scheduler.release_held(req, grammar=matcher)
+            self.scheduler.release_held(req, "grammar", matcher)
         for req, code, message in done.refused:
             self.scheduler.reject(req, code, message)
 
@@ -116,7 +139,20 @@ class Engine:
         return self.scheduler.abort(request_id, error)
 
     def has_work(self) -> bool:
+        """Anything in flight: a step to run, or a PD leg waiting for its partner."""
+        return self.has_step_work() or (self.disagg is not None and self.disagg.has_work())
+
+    def has_step_work(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None or bool(self.grammars)
+
+    def poll_disagg(self) -> list[RequestOutput]:
+        """PD: take the partner's messages, send finished prefills' KV, enforce the time
+        limits; the outputs that made (first tokens received, legs ended)."""
+        self.disagg.poll(time.monotonic())
+        outputs = self.disagg.take_outputs() + self.finished_outputs()
+        if outputs:
+            self.refresh_load()
+        return outputs
 
     # -- stepping ----------------------------------------------------------------------
     def step(self) -> StepOutput:
@@ -178,6 +214,7 @@ class Engine:
             max_total_num_tokens=self.kv.capacity_tokens,
             gen_throughput=self.throughput.rate(time.monotonic()),
             cache_hit_rate=sched.num_cached_prompt_tokens / max(sched.num_admitted_prompt_tokens, 1),
+            disagg=self.disagg.load() if self.disagg is not None else None,
         )
 
     def flush_cache(self) -> tuple[bool, str]:
@@ -210,7 +247,11 @@ class Engine:
             "num_used_tokens": self.pool.num_used_blocks * self.pool.block_size,
             "max_total_num_tokens": self.kv.capacity_tokens,
             "block_size": self.pool.block_size,
-        }
+            # prompt tokens computed by this engine's own steps (those not from the prefix cache
+            # at first admission; a PD decode daemon computes none)
+            "num_computed_prompt_tokens": self.scheduler.num_admitted_prompt_tokens
+            - self.scheduler.num_cached_prompt_tokens,
+        } | (self.disagg.stats_dict() if self.disagg is not None else {})
 
     # -- offline API -------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]) -> list[Completion]:

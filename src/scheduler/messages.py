@@ -73,11 +73,21 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         return self.return_logprob and self.logprob_start_len >= 0
 
 
+class DisaggParams(msgspec.Struct):
+    """A prefill/decode disaggregated request's leg (GenerateRequest.disaggregated_params):
+    where the prefill daemon's bootstrap server is, and the room pairing the two legs."""
+
+    bootstrap_host: str
+    bootstrap_port: int
+    bootstrap_room: int
+
+
 class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     input_ids: list[int]
     sampling: SamplingParams
     cache_salt: str = ""  # requests share cached KV only when their salts are equal
+    disagg: DisaggParams | None = None  # a PD leg (the daemon's --disaggregation-mode says which)
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -174,6 +184,19 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
         return cls(msg.request_id, [], len(msg.input_ids), 0, 0, "abort", error=message, error_code=code)
 
 
+class DisaggLoad(msgspec.Struct, omit_defaults=True):
+    """The PD part of the scheduler's load (GetLoads ``disaggregation``, health)."""
+
+    mode: str  # "prefill" | "decode"
+    bootstrap_problem: str | None = None  # prefill: why its bootstrap server is not listening
+    prefill_bootstrapping: int = 0  # prefill: requests waiting for their decode side to register
+    decode_prealloc: int = 0  # decode: requests waiting for KV blocks to register
+    decode_receiving: int = 0  # decode: registered, waiting for the KV
+    quarantined_blocks: int = 0  # decode: blocks of abandoned transfers, held until safe
+    kv_transfer_speed_gb_s: float = 0.0
+    kv_transfer_latency_ms: float = 0.0
+
+
 class LoadSnapshot(msgspec.Struct):
     """The scheduler's load, refreshed after every step (read by GetLoads and health)."""
 
@@ -187,6 +210,7 @@ class LoadSnapshot(msgspec.Struct):
     max_total_num_tokens: int = 0
     gen_throughput: float = 0.0  # output tokens/s over the last few seconds
     cache_hit_rate: float = 0.0  # cached / all prompt tokens admitted so far
+    disagg: DisaggLoad | None = None  # PD mode's queues and transfers; None in mode null
 
     @property
     def token_usage(self) -> float:
@@ -234,6 +258,9 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     dtype: str  # e.g. "float32", "bfloat16"
     weight_gb: float  # GiB
     kv_cache_gb: float  # GiB
+    disaggregation_mode: str = "null"  # "null" | "prefill" | "decode"
+    disaggregation_bootstrap_port: int = 0  # where a prefill daemon's bootstrap server listens
+    disaggregation_transfer_backend: str = ""  # "mooncake" in PD mode
 
 
 class EngineReady(msgspec.Struct, tag=True):

@@ -101,7 +101,18 @@ def model_info(engine) -> ModelInfo:
         dtype=str(rc.dtype).removeprefix("torch."),
         weight_gb=runner.weight_bytes / 2**30,
         kv_cache_gb=runner.kv_cache_bytes / 2**30,
+        **_disaggregation_info(rc.disaggregation),
     )
+
+
+def _disaggregation_info(settings) -> dict:
+    if settings is None:
+        return {}
+    return {
+        "disaggregation_mode": settings.mode,
+        "disaggregation_bootstrap_port": settings.bootstrap_port,
+        "disaggregation_transfer_backend": settings.transfer_backend,
+    }
 
 
 class HeartbeatThread(threading.Thread):
@@ -148,17 +159,21 @@ class SchedulerLoop:
         self.profiler = profiler if profiler is not None else StepProfiler(str(engine.runner.device))  # profiling off
         self.last_stats_log = time.monotonic()
         self.malformed = MalformedFrames(logger, "scheduler inbox")
+        self.polled: set[zmq.Socket] = set()  # PD sockets in the poller
 
     def send(self, msg) -> None:
         self.outbox.send(from_scheduler_encoder.encode(msg), copy=False)
 
     def run(self) -> None:
         while self.running:
-            timeout_ms = 0 if self.engine.has_work() else int(HEARTBEAT_S * 1000)
+            # (PD legs waiting for their partner need no step: their sockets wake the poll)
+            timeout_ms = 0 if self.engine.has_step_work() else int(HEARTBEAT_S * 1000)
             if self.poller.poll(timeout_ms):
                 self._drain_inbox()
+            if self.engine.disagg is not None:
+                self._poll_disagg()
             self._answer_written_trace()
-            if self.engine.has_work():
+            if self.engine.has_step_work():
                 self.beat = (self.engine.load, time.monotonic())
                 out = self.engine.step()
                 self.beat = (out.load, 0.0)
@@ -171,6 +186,18 @@ class SchedulerLoop:
             else:
                 self.engine.refresh_load()  # idle: the load's throughput window empties out
                 self.beat = (self.engine.load, 0.0)
+
+    def _poll_disagg(self) -> None:
+        """PD: the partner daemons' messages and time limits (sockets opened meanwhile join the poll)."""
+        outputs = self.engine.poll_disagg()
+        if outputs:
+            self.send(StepOutput(outputs=outputs, load=self.engine.load))
+        sockets = set(self.engine.disagg.sockets)
+        for sock in sockets - self.polled:
+            self.poller.register(sock, zmq.POLLIN)
+        for sock in self.polled - sockets:
+            self.poller.unregister(sock)
+        self.polled = sockets
 
     def _log_stats(self) -> None:
         self.last_stats_log = time.monotonic()
@@ -373,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     if writing is not None and not writing.wait(timeout=2.0):
         logger.warning("stopping before the profile trace %s was written", writing.path)
         writing.discard()
+    if engine.disagg is not None:
+        engine.disagg.close()
     _close_sockets(ctx, inbox, outbox, heartbeat)
     logger.info("scheduler stopped")
     return 0

@@ -60,6 +60,7 @@ class Request:
         self.stop_checker = stop_checker  # StopStringChecker, when stop strings are sent
         self.sampler_state = None  # owned by the sampler (seeded generator, token-id buffer)
         self.grammar = None  # xgrammar GrammarMatcher (structured output), set on release from hold
+        self.holds: set[str] = set()  # what a held request still waits for (Scheduler.release_held)
         # N-gram speculation (ngram.py): this step's draft tokens (computed after the last
         # token, one decode row each), the drafter's state, and counts for the response.
         self.draft_ids: list[int] = []

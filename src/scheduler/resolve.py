@@ -18,7 +18,7 @@ from kernels.linear import can_pack
 from kernels.triton_attention import triton_available
 from kernels.util import cdiv
 
-from .config import DEVICE_DEFAULTS, DeviceDefaults, EngineConfig, parse_memory_size
+from .config import DEVICE_DEFAULTS, DeviceDefaults, DisaggregationConfig, EngineConfig, parse_memory_size
 from .cuda_graphs import capture_sizes
 from .device import cpu_has_bf16, free_memory_bytes, resolve_device, resolve_dtype
 from .model_config import ModelConfig
@@ -72,6 +72,7 @@ class ResolvedConfig:
     grammar_compile_timeout_s: float
     constrained_json_any_whitespace: bool
     served_model_name: str
+    disaggregation: DisaggregationConfig | None = None  # None: mode null
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -150,6 +151,7 @@ def resolve(
         grammar_compile_timeout_s=config.grammar_compile_timeout_s,
         constrained_json_any_whitespace=config.constrained_json_any_whitespace,
         served_model_name=config.served_model_name or config.model,
+        disaggregation=config.disaggregation,
     )
     if resolved.kv_capacity_tokens < max_model_len:
         flag = "--kv-cache-tokens" if config.kv_cache_tokens is not None else "--kv-cache-memory"

@@ -18,7 +18,7 @@ it, and then to the next in line, so steps stay as full as without the threshold
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -128,15 +128,18 @@ class Scheduler:
             else None
         )
         self.finished: list[Request] = []  # finished since the last drain (aborts included)
+        # called with each request that ends, before its blocks are freed (PD sends its KV then)
+        self.on_retire: Callable[[Request], None] | None = None
         self.num_preemptions = 0
         # prompt tokens of first admissions, and those of them served from the prefix cache
         self.num_admitted_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
 
     # -- admission -------------------------------------------------------------------
-    def add_request(self, msg: AddRequest, hold: bool = False, stop_checker=None) -> Request:
-        """Admit a request (AdmissionError if it can never run); queue it, or with ``hold``
-        keep it aside until :meth:`release`. ``stop_checker``: its StopStringChecker."""
+    def add_request(self, msg: AddRequest, holds: frozenset[str] = frozenset(), stop_checker=None) -> Request:
+        """Admit a request (AdmissionError if it can never run); queue it, or with ``holds``
+        (what it waits for: "grammar" compiling, PD's "bootstrap" or "kv") keep it aside until
+        :meth:`release_held` has cleared each. ``stop_checker``: its StopStringChecker."""
         if msg.request_id in self.requests:
             raise AdmissionError("ALREADY_EXISTS", f"request id {msg.request_id!r} is already in flight")
         n = len(msg.input_ids)
@@ -171,17 +174,32 @@ class Scheduler:
         extra = msg.cache_salt.encode()
         req = Request(msg.request_id, msg.input_ids, msg.sampling, max_new, self.eos_token_ids, extra, stop_checker)
         self.requests[req.request_id] = req
-        if hold:
+        if holds:
+            req.holds = set(holds)
             self.held[req.request_id] = req
         else:
             self._enqueue(req)
         return req
 
-    def release_held(self, req: Request, grammar=None) -> None:
-        """A held request becomes schedulable (with its compiled grammar's matcher)."""
+    def release_held(self, req: Request, reason: str, grammar=None) -> None:
+        """What a held request waited for is there (its compiled grammar's matcher, or PD's
+        registration or KV); once nothing is left it becomes schedulable. A request whose
+        prompt KV came from a prefill daemon (computed tokens already) decodes from there."""
+        req.holds.discard(reason)
+        if grammar is not None:
+            req.grammar = grammar
+            for token in req.output_ids:  # (a first token sampled on the prefill daemon)
+                grammar.accept_token(token)
+        if req.holds:
+            return
         del self.held[req.request_id]
-        req.grammar = grammar
-        self._enqueue(req)
+        if req.is_finished:  # its first token ended it
+            self._retire(req)
+        elif req.num_computed_tokens:
+            req.status = Status.RUNNING
+            self.running.append(req)
+        else:
+            self._enqueue(req)
 
     def reject(self, req: Request, code: str, message: str) -> None:
         """A held request cannot run after all: it finishes with an error."""
@@ -429,6 +447,8 @@ class Scheduler:
             self.waiting.append(req)
 
     def _retire(self, req: Request) -> None:
+        if self.on_retire is not None:
+            self.on_retire(req)
         self.kv.free(req)
         del self.requests[req.request_id]
         self.finished.append(req)

@@ -7,9 +7,10 @@ import asyncio
 import dataclasses
 import logging
 import math
+import socket
 import sys
 
-from scheduler.config import EngineConfig, describe_default, parse_memory_size
+from scheduler.config import DisaggregationConfig, EngineConfig, describe_default, parse_memory_size
 
 from .log_filters import ClientGoneFilter
 from .server import ServerConfig, serve
@@ -50,6 +51,7 @@ def _memory_size(text: str) -> str:
 _COUNT = _number(int, 1)
 _ENGINE = EngineConfig()
 _SERVER = ServerConfig()
+_PD = DisaggregationConfig(mode="null", host="")  # (its defaults)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -297,6 +299,46 @@ def build_parser() -> argparse.ArgumentParser:
         "or relative to it, must lie inside it, and new directories are private to the daemon's user "
         "(default: $SGLANG_TORCH_PROFILER_DIR if set, else profiling is off)",
     )
+    pd = p.add_argument_group(
+        "prefill/decode disaggregation",
+        "two daemons serve each request behind `smg launch --pd-disaggregation`: the prefill daemon "
+        "computes the prompt's KV and first token and writes the KV into the decode daemon's cache "
+        "(Mooncake over TCP: pip install '.[pd]')",
+    )
+    pd.add_argument(
+        "--disaggregation-mode",
+        choices=["null", "prefill", "decode"],
+        default="null",
+        help="this daemon's part: null serves requests whole; prefill and decode serve only PD legs",
+    )
+    pd.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=_number(int, 1, 65535),
+        default=_PD.bootstrap_port,
+        metavar="PORT",
+        help="prefill: where decode daemons register the blocks a request's KV goes to (on --host); "
+        "the router's --prefill URL PORT",
+    )
+    pd.add_argument(
+        "--disaggregation-transfer-backend",
+        choices=["mooncake"],
+        default=_PD.transfer_backend,
+        help="what moves the KV between the daemons",
+    )
+    pd.add_argument(
+        "--disaggregation-bootstrap-timeout",
+        type=_number(float, 0.0, what="a positive number of seconds"),
+        default=_PD.bootstrap_timeout_s,
+        metavar="SECONDS",
+        help="a leg whose partner has not shown up within this fails with UNAVAILABLE",
+    )
+    pd.add_argument(
+        "--disaggregation-waiting-timeout",
+        type=_number(float, 0.0, what="a positive number of seconds"),
+        default=_PD.waiting_timeout_s,
+        metavar="SECONDS",
+        help="decode: KV registered but not written within this fails with UNAVAILABLE",
+    )
     p.add_argument(
         "--profile-max-traces",
         type=_COUNT,
@@ -316,12 +358,37 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
             "the tokens the previous step kept)"
         )
     args["overlap_schedule"] = {"auto": None, "on": True, "off": False}[args["overlap_schedule"]]
+    args["disaggregation"] = _disaggregation(parser, args)
     engine_fields = set(EngineConfig.__struct_fields__)
     server_fields = {f.name for f in dataclasses.fields(ServerConfig)}
     assert set(args) <= engine_fields | server_fields, set(args) - engine_fields - server_fields  # a dest typo
     engine = EngineConfig(**{f: args[f] for f in engine_fields & set(args)})
     server = ServerConfig(**{f: args[f] for f in server_fields & set(args)})
     return engine, server
+
+
+def _disaggregation(parser: argparse.ArgumentParser, args: dict) -> DisaggregationConfig | None:
+    """The --disaggregation-* flags (taken out of ``args``) as the engine's setting."""
+    mode = args.pop("disaggregation_mode")
+    port = args.pop("disaggregation_bootstrap_port")
+    backend = args.pop("disaggregation_transfer_backend")
+    bootstrap_timeout = args.pop("disaggregation_bootstrap_timeout")
+    waiting_timeout = args.pop("disaggregation_waiting_timeout")
+    if mode == "null":
+        return None
+    if mode == "prefill" and port == args["port"]:
+        parser.error(f"--disaggregation-bootstrap-port {port} is the gRPC --port as well")
+    host = args["host"]
+    if host in ("", "0.0.0.0", "::", "[::]"):  # the peer needs an address that reaches us
+        host = socket.gethostbyname(socket.gethostname())
+    return DisaggregationConfig(
+        mode=mode,
+        host=host,
+        bootstrap_port=port,
+        transfer_backend=backend,
+        bootstrap_timeout_s=bootstrap_timeout,
+        waiting_timeout_s=waiting_timeout,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

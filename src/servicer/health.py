@@ -81,6 +81,9 @@ class HealthState:
         in_step = self.client.liveness.in_step_s
         if in_step > self.stuck_after:
             return f"the scheduler has been stuck in one step for {in_step:.0f} s"
+        disagg = self.client.liveness.load.disagg
+        if disagg is not None and disagg.bootstrap_problem is not None:  # decode daemons cannot reach us
+            return disagg.bootstrap_problem
         return None
 
     def status(self, service: str) -> int:

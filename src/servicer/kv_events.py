@@ -37,7 +37,7 @@ from collections import deque
 
 import grpc
 
-from scheduler.messages import KvCleared, KvEvents, KvRemoved, KvStored
+from scheduler.messages import DisaggLoad, KvCleared, KvEvents, KvRemoved, KvStored
 
 from .generated import common_pb2
 
@@ -203,8 +203,22 @@ class _LoadRecords:
                 )
             )
             load.queues.CopyFrom(common_pb2.EngineQueues(waiting=s.num_waiting))
-            load.disaggregation.CopyFrom(common_pb2.EngineDisaggregation(mode="null"))
+            load.disaggregation.CopyFrom(common_pb2.EngineDisaggregation(**disaggregation_metrics(s.disagg)))
         return load
+
+
+def disaggregation_metrics(load: DisaggLoad | None) -> dict:
+    """The fields of the PD metrics messages (EngineDisaggregation, DisaggregationMetrics)."""
+    if load is None:
+        return {"mode": "null"}
+    return {
+        "mode": load.mode,
+        "prefill_prealloc_queue_reqs": load.prefill_bootstrapping,
+        "decode_prealloc_queue_reqs": load.decode_prealloc,
+        "decode_transfer_queue_reqs": load.decode_receiving,
+        "kv_transfer_speed_gb_s": load.kv_transfer_speed_gb_s,
+        "kv_transfer_latency_ms": load.kv_transfer_latency_ms,
+    }
 
 
 class KvEventHub:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from scheduler.messages import AddRequest, ModelInfo, SamplingParams, out_of_vocabulary
+from scheduler.messages import AddRequest, DisaggParams, ModelInfo, SamplingParams, out_of_vocabulary
 
 MAX_N = 1024  # sequences per Generate call (OpenAI allows 128)
 MAX_SEED = 2**64  # seeds are 64-bit; negative ones wrap
@@ -137,11 +137,39 @@ def reject_unsupported(request) -> None:
         "input_embeds": len(request.input_embeds) > 0,
         "return_hidden_states": request.return_hidden_states,
         "custom_logit_processor": bool(request.custom_logit_processor),
-        "disaggregated_params": request.HasField("disaggregated_params"),
     }
     for name, present in unsupported.items():
         if present:
             raise InvalidRequest(f"{name} is not supported by this server (text-only, one engine)")
+
+
+def disaggregation_leg(request, model_info: ModelInfo) -> DisaggParams | None:
+    """The request's PD leg: required in prefill and decode mode, refused in mode null."""
+    mode = model_info.disaggregation_mode
+    present = request.HasField("disaggregated_params")
+    if mode == "null":
+        if present:
+            raise InvalidRequest(
+                "disaggregated_params sent to a daemon without prefill/decode disaggregation "
+                "(it runs --disaggregation-mode null)"
+            )
+        return None
+    if not present:
+        raise InvalidRequest(
+            f"this daemon runs --disaggregation-mode {mode}: requests must carry disaggregated_params "
+            "(send them through a router in PD mode, smg launch --pd-disaggregation)"
+        )
+    if request.sampling_params.n > 1:
+        raise InvalidRequest("sampling_params.n > 1 is not supported with prefill/decode disaggregation")
+    p = request.disaggregated_params
+    host = p.bootstrap_host
+    if not host or len(host) > 255 or not host.isprintable():
+        raise InvalidRequest("disaggregated_params.bootstrap_host must be 1 to 255 printable characters")
+    if not 1 <= p.bootstrap_port <= 65535:
+        raise InvalidRequest(f"disaggregated_params.bootstrap_port must be 1..65535, got {p.bootstrap_port}")
+    if p.bootstrap_room < 0:
+        raise InvalidRequest(f"disaggregated_params.bootstrap_room must be >= 0, got {p.bootstrap_room}")
+    return DisaggParams(host, p.bootstrap_port, p.bootstrap_room)
 
 
 def check_request_id(rid: str) -> None:
@@ -156,6 +184,7 @@ def to_add_request(request, model_info: ModelInfo) -> AddRequest:
     """Validate a GenerateRequest against the model and build the scheduler message."""
     check_request_id(request.request_id)
     reject_unsupported(request)
+    disagg = disaggregation_leg(request, model_info)
     n = request.sampling_params.n
     if n > MAX_N:
         raise InvalidRequest(f"sampling_params.n must be at most {MAX_N}, got {n}")
@@ -222,4 +251,4 @@ def to_add_request(request, model_info: ModelInfo) -> AddRequest:
     sp = request.sampling_params
     if sp.HasField("custom_params") and "cache_salt" in sp.custom_params.fields:
         salt = sp.custom_params.fields["cache_salt"].string_value
-    return AddRequest(request.request_id, input_ids, sampling, cache_salt=salt)
+    return AddRequest(request.request_id, input_ids, sampling, cache_salt=salt, disagg=disagg)

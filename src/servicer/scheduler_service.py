@@ -21,7 +21,7 @@ from .generated import common_pb2
 from .generated import sglang_scheduler_pb2 as pb
 from .generated import sglang_scheduler_pb2_grpc as pb_grpc
 from .health import HealthState
-from .kv_events import KvEventHub
+from .kv_events import KvEventHub, disaggregation_metrics
 from .request_conversion import MAX_SEED, InvalidRequest, check_request_id, to_add_request
 from .scheduler_client import SchedulerClient, SchedulerUnavailable
 from .tokenizer_bundle import UnshippableFile, build_bundle, chunks
@@ -213,7 +213,10 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             "dtype": i.dtype,
             "is_embedding": False,
             "vocab_size": i.vocab_size,
-            "disaggregation_mode": "null",
+            "disaggregation_mode": i.disaggregation_mode,
+            "disaggregation_transfer_backend": i.disaggregation_transfer_backend,
+            "disaggregation_bootstrap_port": i.disaggregation_bootstrap_port or None,
+            "kv_cache_dtype": i.dtype,  # the KV is stored in the model's dtype
             "enable_prefix_caching": i.enable_prefix_caching,
         }
 
@@ -269,7 +272,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         if wanted("queues"):
             load.queues.CopyFrom(pb.QueueMetrics(waiting=s.num_waiting))
         if wanted("disagg"):
-            load.disaggregation.CopyFrom(pb.DisaggregationMetrics(mode="null"))
+            load.disaggregation.CopyFrom(pb.DisaggregationMetrics(**disaggregation_metrics(s.disagg)))
         return pb.GetLoadsResponse(
             timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
             version=VERSION,
