@@ -178,7 +178,7 @@ class DecodeCoordinator:
         return outputs
 
     def has_work(self) -> bool:
-        return bool(self.legs)
+        return bool(self.legs or self.quarantine)
 
     def load(self) -> DisaggLoad:
         return DisaggLoad(
