@@ -242,7 +242,10 @@ def _base_env() -> dict:
 
 
 class Daemon(_ManagedProcess):
-    """`python -m servicer ...` on 127.0.0.1:<port>, ready once grpc.health.v1 says SERVING."""
+    """`python -m servicer ...` on 127.0.0.1:<port>, ready once grpc.health.v1 says SERVING.
+
+    With ``wait_serving=False`` entering only starts the process: several daemons then load
+    at once, and a test can watch one that is not SERVING yet; `wait_until_serving` waits."""
 
     name = "daemon"
 
@@ -256,10 +259,12 @@ class Daemon(_ManagedProcess):
         log_dir: os.PathLike | None = None,
         start_timeout_s: float = DAEMON_START_TIMEOUT_S,
         log_level: str = "info",
+        wait_serving: bool = True,
     ):
         super().__init__(log_dir)
         self.host = "127.0.0.1"
         self.port = port or free_port()
+        self.wait_serving = wait_serving
         self.address = f"{self.host}:{self.port}"
         self.start_timeout_s = start_timeout_s
         self.args = [
@@ -279,18 +284,26 @@ class Daemon(_ManagedProcess):
             log_level,
         ] + list(extra_args or [])
         self.startup_s: float | None = None
+        self._t0: float | None = None  # when the process was started
 
     def __enter__(self) -> Daemon:
         env = _base_env()
         env["PYTHONPATH"] = os.pathsep.join(p for p in [str(SRC_DIR), env.get("PYTHONPATH", "")] if p)
-        t0 = time.monotonic()
+        self._t0 = time.monotonic()
         self._spawn([sys.executable, "-m", "servicer"] + self.args, env)
+        if self.wait_serving:
+            self.wait_until_serving()
+        return self
+
+    def wait_until_serving(self) -> Daemon:
+        """Wait until both health services say SERVING (stopping the daemon and failing with
+        its log tail if it exits first or takes over `start_timeout_s` from its start)."""
         try:
             self._wait_serving()
         except BaseException:
             self.stop()
             raise
-        self.startup_s = time.monotonic() - t0
+        self.startup_s = time.monotonic() - self._t0
         return self
 
     def channel(self):
@@ -314,7 +327,7 @@ class Daemon(_ManagedProcess):
             return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def _wait_serving(self) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
+        deadline = (self._t0 if self._t0 is not None else time.monotonic()) + self.start_timeout_s
         while True:
             if not self.alive():
                 self._fail(f"exited with code {self.proc.returncode} before it was SERVING")
@@ -440,13 +453,16 @@ def sse_post(url: str, body, timeout: float = 120.0) -> Iterator[str]:
 
 class Router(_ManagedProcess):
     """`smg launch` in front of one gRPC worker; ready once /readiness reports ready and
-    /v1/tokenize works (the tokenizer is loaded)."""
+    /v1/tokenize works (the tokenizer is loaded).
+
+    `worker_args`, when given, replace `--worker-urls grpc://127.0.0.1:<worker_port>` (then
+    `worker_port` may be None): e.g. `--pd-disaggregation --prefill URL PORT --decode URL`."""
 
     name = "router"
 
     def __init__(
         self,
-        worker_port: int,
+        worker_port: int | None,
         policy: str | None = None,
         port: int | None = None,
         prometheus_port: int | None = None,
@@ -455,6 +471,7 @@ class Router(_ManagedProcess):
         start_timeout_s: float = ROUTER_START_TIMEOUT_S,
         log_level: str = "warn",
         shutdown_grace_s: int = 1,
+        worker_args: list[str] | None = None,
     ):
         super().__init__(log_dir)
         self.host = "127.0.0.1"
@@ -462,7 +479,10 @@ class Router(_ManagedProcess):
         self.port = port or next(spare)
         self.prometheus_port = prometheus_port or next(spare)
         self.base_url = f"http://{self.host}:{self.port}"
-        self.worker_url = f"grpc://127.0.0.1:{worker_port}"
+        if worker_args is None and worker_port is None:
+            raise ValueError("Router needs worker_port or worker_args")
+        self.worker_url = f"grpc://127.0.0.1:{worker_port}" if worker_port is not None else None
+        workers = list(worker_args) if worker_args is not None else ["--worker-urls", self.worker_url]
         self.start_timeout_s = start_timeout_s
         self.args = [
             "launch",
@@ -474,8 +494,7 @@ class Router(_ManagedProcess):
             self.host,
             "--prometheus-port",
             str(self.prometheus_port),
-            "--worker-urls",
-            self.worker_url,
+            *workers,
             "--backend",
             "sglang",
             "--log-level",

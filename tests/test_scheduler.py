@@ -269,7 +269,8 @@ def test_queue_limit_counts_only_requests_beyond_the_free_running_slots():
     sched = Scheduler(SchedulerConfig(2, 2048, 8192, max_queued_requests=1), KVCacheManager(pool), frozenset({2}))
     for i in range(2):  # both start at the next step
         add(sched, f"r{i}", [5, 6, 7], max_new=4)
-    held = sched.add_request(AddRequest("r2", [5, 6, 7], SamplingParams(max_new_tokens=4)), holds=frozenset({"grammar"}))  # counts
+    msg = AddRequest("r2", [5, 6, 7], SamplingParams(max_new_tokens=4))
+    held = sched.add_request(msg, holds=frozenset({"grammar"}))  # counts
     with pytest.raises(AdmissionError) as e:
         add(sched, "over", [5, 6, 7])
     assert e.value.code == "RESOURCE_EXHAUSTED" and "queue is full" in str(e.value) and "retry" in str(e.value)
