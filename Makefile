@@ -7,7 +7,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup proto run lint format test test-slow bench clean
+.PHONY: setup proto run lint format test test-slow bench bench-pd clean
 
 setup: $(STAMP)
 
@@ -57,6 +57,10 @@ $(BENCH_STAMP): $(STAMP) bench/requirements.txt
 
 bench: $(BENCH_STAMP)
 	$(PY) bench/bench_w64.py $(ARGS)
+
+# W64 through the router: one daemon against a prefill + decode pair (PD disaggregation).
+bench-pd: $(STAMP)
+	$(PY) bench/bench_pd.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) src/servicer/generated/*_pb2*.py* build *.egg-info src/*.egg-info bench/.vllm-venv bench/.cache

@@ -60,3 +60,38 @@ def test_min_new_tokens_over_max_new_tokens_is_invalid():
     with pytest.raises(InvalidRequest) as e:
         to_add_request(request([1, 2], min_new_tokens=5), INFO)  # max_new_tokens 4
     assert "min_new_tokens (5) must be at most max_new_tokens (4)" in str(e.value)
+
+
+PD_INFO = sample_model_info(disaggregation_mode="decode", disaggregation_bootstrap_port=8998)
+
+
+def _pd_request(n=1, **params):
+    req = pb.GenerateRequest(
+        request_id="pd", tokenized=pb.TokenizedInput(input_ids=[5, 6, 7]), sampling_params=pb.SamplingParams(n=n)
+    )
+    req.disaggregated_params.CopyFrom(
+        pb.DisaggregatedParams(**{"bootstrap_host": "10.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 7, **params})
+    )
+    return req
+
+
+def test_a_pd_leg_carries_its_bootstrap_params():
+    msg = to_add_request(_pd_request(), PD_INFO)
+    assert (msg.disagg.bootstrap_host, msg.disagg.bootstrap_port, msg.disagg.bootstrap_room) == ("10.0.0.1", 8998, 7)
+
+
+@pytest.mark.parametrize(
+    "request_, info, words",
+    [
+        (_pd_request(), INFO, "--disaggregation-mode null"),  # a plain daemon
+        (pb.GenerateRequest(request_id="x", tokenized=pb.TokenizedInput(input_ids=[5])), PD_INFO, "must carry"),
+        (_pd_request(n=2), PD_INFO, "n > 1"),
+        (_pd_request(bootstrap_host=""), PD_INFO, "bootstrap_host"),
+        (_pd_request(bootstrap_port=0), PD_INFO, "bootstrap_port"),
+        (_pd_request(bootstrap_room=-1), PD_INFO, "bootstrap_room"),
+    ],
+)
+def test_pd_legs_that_cannot_run_are_invalid(request_, info, words):
+    with pytest.raises(InvalidRequest) as e:
+        to_add_request(request_, info)
+    assert e.value.code == "INVALID_ARGUMENT" and words in str(e.value)
