@@ -79,6 +79,19 @@ def test_kernel_and_schedule_flags():
     assert parse(["--long-prefill-token-threshold", "0"])["engine"]["long_prefill_token_threshold"] == 0
 
 
+def test_disaggregation_flags():
+    assert parse([])["engine"]["disaggregation"] is None  # mode null
+    pd = parse(["--disaggregation-mode", "decode", "--disaggregation-waiting-timeout", "5"])["engine"]["disaggregation"]
+    assert pd == dict(
+        mode="decode",
+        host="127.0.0.1",
+        bootstrap_port=8998,
+        transfer_backend="mooncake",
+        bootstrap_timeout_s=300.0,
+        waiting_timeout_s=5.0,
+    )
+
+
 def test_constrained_json_is_compact_unless_any_whitespace_is_allowed():
     assert not parse([])["engine"]["constrained_json_any_whitespace"]
     assert parse(["--constrained-json-allow-any-whitespace"])["engine"]["constrained_json_any_whitespace"]
@@ -114,6 +127,11 @@ def test_constrained_json_is_compact_unless_any_whitespace_is_allowed():
         ["--grammar-compile-timeout", "0"],
         ["--shutdown-grace-period", "-1"],
         ["--block-size", "x"],
+        ["--disaggregation-mode", "both"],
+        ["--disaggregation-mode", "prefill", "--port", "9000", "--disaggregation-bootstrap-port", "9000"],
+        ["--disaggregation-bootstrap-port", "0"],
+        ["--disaggregation-bootstrap-timeout", "0"],
+        ["--disaggregation-transfer-backend", "nixl"],
     ],
 )
 def test_bad_values_are_refused(argv):

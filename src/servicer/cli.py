@@ -327,14 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pd.add_argument(
         "--disaggregation-bootstrap-timeout",
-        type=_number(float, 0.0, what="a positive number of seconds"),
+        type=_number(float, 0.001, what="a positive number of seconds"),
         default=_PD.bootstrap_timeout_s,
         metavar="SECONDS",
         help="a leg whose partner has not shown up within this fails with UNAVAILABLE",
     )
     pd.add_argument(
         "--disaggregation-waiting-timeout",
-        type=_number(float, 0.0, what="a positive number of seconds"),
+        type=_number(float, 0.001, what="a positive number of seconds"),
         default=_PD.waiting_timeout_s,
         metavar="SECONDS",
         help="decode: KV registered but not written within this fails with UNAVAILABLE",
