@@ -73,6 +73,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     profile_dir: str | None = None
     profile_max_traces: int = PROFILE_MAX_TRACES  # traces kept under profile_dir; older ones are deleted
     disaggregation: DisaggregationConfig | None = None  # None: --disaggregation-mode null
+    tp_size: int = 1  # tensor-parallel ranks, one process each (tensor_parallel.py)
 
 
 @dataclasses.dataclass(frozen=True)

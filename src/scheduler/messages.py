@@ -258,6 +258,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     dtype: str  # e.g. "float32", "bfloat16"
     weight_gb: float  # GiB
     kv_cache_gb: float  # GiB
+    tp_size: int = 1  # tensor-parallel ranks
     disaggregation_mode: str = "null"  # "null" | "prefill" | "decode"
     disaggregation_bootstrap_port: int = 0  # where a prefill daemon's bootstrap server listens
     disaggregation_transfer_backend: str = ""  # "mooncake" in PD mode

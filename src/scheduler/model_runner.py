@@ -8,6 +8,7 @@ go through the LM head.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import time
@@ -20,6 +21,7 @@ from kernels.backend import create_backend
 from kernels.triton_attention import decode_splits
 from kernels.util import cdiv
 
+from . import tensor_parallel
 from .config import EngineConfig
 from .cpu_malloc import keep_freed_memory
 from .device import cpu_has_bf16, resolve_device, resolve_dtype, synchronize
@@ -29,6 +31,7 @@ from .models import build_model
 from .resolve import Platform, resolve, resolve_platform
 from .sampling_batch import BatchSampler, StepLogprobs
 from .scheduler import ScheduledBatch
+from .tensor_parallel import Command, TpGroup
 from .transfer import DeviceToHost, Download, HostToDevice
 from .weights import load_checkpoint
 
@@ -80,20 +83,27 @@ class LaunchedStep:
 @dataclass
 class LoadedModel:
     path: str
-    config: ModelConfig
+    config: ModelConfig  # the whole model's
     model: torch.nn.Module
+    shard: ModelConfig | None = None  # under tensor parallelism: this rank's share of it
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def load_model(config: EngineConfig, tp: TpGroup | None = None) -> LoadedModel:
     """Resolve, read and place the weights (each tensor cast to the target dtype as it is
-    read or adopted, so the peak stays near one copy plus a tensor)."""
+    read or adopted, so the peak stays near one copy plus a tensor); with ``tp``, this
+    rank's slices of them."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     path = resolve_model(config.model)
     started = time.perf_counter()
     logger.info("loading %s onto %s (%s)", path, device, str(dtype).removeprefix("torch."))
     model_config, state_dict = load_checkpoint(path, dtype)
-    model = build_model(model_config, dtype=dtype)
+    shard = None
+    if tp is not None:
+        tensor_parallel.check_divisible(model_config, tp.size)
+        tensor_parallel.shard_state_dict(state_dict, model_config, tp.rank, tp.size)
+        shard = tensor_parallel.shard_config(model_config, tp.size)
+    model = build_model(shard or model_config, dtype=dtype, tp=tp)
     model.load_weights(state_dict)  # (consumes it)
     model = model.to(device=device).eval()
     logger.info(
@@ -103,7 +113,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         sum(p.numel() for p in model.parameters()) / 1e6,
         time.perf_counter() - started,
     )
-    return LoadedModel(path, model_config, model)
+    return LoadedModel(path, model_config, model, shard)
 
 
 def _configure_cpu(platform: Platform) -> None:
@@ -115,17 +125,27 @@ def _configure_cpu(platform: Platform) -> None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, tp: TpGroup | None = None):
         """``loaded`` lets several runners (e.g. tests with different KV sizes) share weights.
-        ``self.config`` is the resolved config (resolve.py), decided once the weights are in."""
+        ``self.config`` is the resolved config (resolve.py), decided once the weights are in.
+        With ``config.tp_size`` > 1 this runner is rank 0 and starts the other ranks; ``tp``:
+        this runner is that rank of the group (tp_worker.py)."""
         platform = resolve_platform(config)  # (a wrong name fails before the weights load)
         if platform.device.type == "cpu":
             _configure_cpu(platform)
         torch.manual_seed(config.seed)
-        loaded = loaded or load_model(config)
+        self.workers = None
+        if config.tp_size > 1 and tp is None:
+            from .tp_worker import start_workers
+
+            self.workers, tp = start_workers(config, platform.device)
+            atexit.register(self.close)  # (the ranks wait for rank 0's word to end)
+        self.tp = tp
+        loaded = loaded or load_model(config, tp)
         self.model_path, self.model_config, self.model = loaded.path, loaded.config, loaded.model
+        self.layer_config = loaded.shard or loaded.config  # the layers this rank runs (its KV heads)
         packed = self.model.lm_head.packed_weight is not None  # (by an earlier runner sharing the model)
-        self.config = rc = resolve(config, self.model_config, self.weight_bytes, packed, platform)
+        self.config = rc = resolve(config, self.layer_config, self.weight_bytes, packed, platform)
         rc.log()
         self.device, self.dtype, self.block_size = rc.device, rc.dtype, rc.block_size
         self.max_model_len, self.num_cache_blocks = rc.max_model_len, rc.num_kv_blocks
@@ -142,14 +162,14 @@ class ModelRunner:
             self.device,
             self.block_size,
             packed_weights=rc.cpu_packed_weights,
-            num_kv_heads=self.model_config.num_kv_heads,
+            num_kv_heads=self.layer_config.num_kv_heads,
             num_sms=self.num_sms,
             small_batch_gemv=rc.small_batch_gemv,
             pdl=rc.pdl,
             upload=self.upload,
         )
         self.backend.prepare_model(self.model)
-        lm_head = functools.partial(self.model.compute_logits, self.backend)
+        lm_head = functools.partial(self.model.compute_logits, self.backend) if tp is None else self._tp_logits
         self.sampler = BatchSampler(
             lm_head, self.device, self.generator, self.model_config.vocab_size, self.upload, rc.fused_sampling
         )
@@ -178,7 +198,7 @@ class ModelRunner:
         """Launch every Triton kernel variant an eager step can need once, so that no request
         waits for a JIT compile (see :func:`warmup_batches`). Slots are -1 and every table
         points at the null block: nothing is written to the KV cache."""
-        for query_lens in warmup_batches(self.max_running_requests, self.model_config.num_kv_heads, self.num_sms):
+        for query_lens in warmup_batches(self.max_running_requests, self.layer_config.num_kv_heads, self.num_sms):
             seq_lens = [q + 3 for q in query_lens]
             tables = [[0] * cdiv(s, self.block_size) for s in seq_lens]
             meta = self.backend.prepare_metadata(query_lens, seq_lens, tables)
@@ -190,7 +210,7 @@ class ModelRunner:
 
     # -- KV cache --------------------------------------------------------------------
     def _allocate_kv_cache(self) -> None:
-        mc = self.model_config
+        mc = self.layer_config
         shape = (mc.num_layers, 2, self.num_cache_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
@@ -251,15 +271,42 @@ class ModelRunner:
         if self.graphs is not None and offset == len(query_lens) and self.graphs.can_run(offset):
             hidden = self.graphs.run(input_ids, seq_lens, tables, patch)  # decode-only step
         else:
-            ids = self.upload(np.asarray(input_ids, dtype=np.int64))
-            if patch is not None:
-                patch(ids)
-            meta = self.backend.prepare_metadata(query_lens, seq_lens, tables)
-            hidden = self.model(self.backend, ids, self.kv_caches, meta)
+            if self.workers is not None:  # the other ranks run the same step on their shards
+                self.workers.send(Command("forward", (input_ids, query_lens, seq_lens, tables)))
+            hidden = self.forward(input_ids, query_lens, seq_lens, tables, patch)
         # LM head on the sampling rows (and prompt-logprob rows), sampling, logprobs.
         sampling = batch.sampling_rows
         tokens, logprobs = self.sampler.run(batch, hidden, sample_rows, sampling)
         return LaunchedStep(batch, self.download(tokens) if sampling else None, logprobs, launched_at)
+
+    def forward(self, input_ids: list[int], query_lens, seq_lens, tables, patch=None) -> torch.Tensor:
+        """The model over one flattened batch: hidden states ``[T, hidden]``."""
+        ids = self.upload(np.asarray(input_ids, dtype=np.int64))
+        if patch is not None:
+            patch(ids)
+        meta = self.backend.prepare_metadata(query_lens, seq_lens, tables)
+        return self.model(self.backend, ids, self.kv_caches, meta)
+
+    def _tp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Rank 0's LM head: every rank scores its share of the vocabulary for these rows."""
+        self.workers.send(Command("logits", hidden))
+        return self.tp.gather_vocab(self.model.compute_logits(self.backend, hidden), self.model_config.vocab_size)
+
+    def check_ranks(self) -> None:
+        """RuntimeError if another tensor-parallel rank is gone (the engine cannot go on)."""
+        if self.workers is not None:
+            self.workers.check()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (rank 0's runner)."""
+        if self.workers is not None:
+            try:
+                self.workers.send(Command("stop"))
+            except OSError:  # a rank already gone
+                pass
+            self.workers.join()
+            self.workers = None
+            torch.distributed.destroy_process_group()
 
     def _patch(self, positions: list[int], rows: list[int], prev: LaunchedStep):
         """``ids[positions] = prev's sampled tokens[rows]``, on the device's stream."""

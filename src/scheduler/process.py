@@ -101,6 +101,7 @@ def model_info(engine) -> ModelInfo:
         dtype=str(rc.dtype).removeprefix("torch."),
         weight_gb=runner.weight_bytes / 2**30,
         kv_cache_gb=runner.kv_cache_bytes / 2**30,
+        tp_size=rc.tp_size,
         **_disaggregation_info(rc.disaggregation),
     )
 
@@ -173,6 +174,7 @@ class SchedulerLoop:
             if self.engine.disagg is not None:
                 self._poll_disagg()
             self._answer_written_trace()
+            self.engine.runner.check_ranks()  # (a lost rank ends the scheduler, as its own death would)
             if self.engine.has_step_work():
                 self.beat = (self.engine.load, time.monotonic())
                 out = self.engine.step()
@@ -402,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         writing.discard()
     if engine.disagg is not None:
         engine.disagg.close()
+    engine.runner.close()
     _close_sockets(ctx, inbox, outbox, heartbeat)
     logger.info("scheduler stopped")
     return 0

@@ -73,6 +73,7 @@ class ResolvedConfig:
     constrained_json_any_whitespace: bool
     served_model_name: str
     disaggregation: DisaggregationConfig | None = None  # None: mode null
+    tp_size: int = 1
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -91,7 +92,9 @@ def resolve_platform(config: EngineConfig) -> Platform:
     dtype = resolve_dtype(config.dtype, device)
     backend = _kernel_backend(config, device, _defaults(device))
     _speculative_algorithm(config)
-    return Platform(device, dtype, backend, config.num_threads or os.cpu_count() or 1)
+    # (tensor-parallel ranks share the cores)
+    threads = config.num_threads or max(1, (os.cpu_count() or 1) // config.tp_size)
+    return Platform(device, dtype, backend, threads)
 
 
 # Waiting requests per running slot when --max-queued-requests is unset: the queue holds a
@@ -120,7 +123,8 @@ def resolve(
     budget = config.max_num_batched_tokens or defaults.max_num_batched_tokens
     threshold = config.long_prefill_token_threshold
     speculative = _speculative_algorithm(config)
-    cuda_graph = config.cuda_graph and defaults.cuda_graph and backend == "triton"
+    # (a captured graph would need its all-reduces captured too: TP steps run eagerly)
+    cuda_graph = config.cuda_graph and defaults.cuda_graph and backend == "triton" and config.tp_size == 1
     kv_bytes = (num_kv_blocks * config.block_size) * _bytes_per_token(model, dtype)
     resolved = ResolvedConfig(
         device=device,
@@ -152,6 +156,7 @@ def resolve(
         constrained_json_any_whitespace=config.constrained_json_any_whitespace,
         served_model_name=config.served_model_name or config.model,
         disaggregation=config.disaggregation,
+        tp_size=config.tp_size,
     )
     if resolved.kv_capacity_tokens < max_model_len:
         flag = "--kv-cache-tokens" if config.kv_cache_tokens is not None else "--kv-cache-memory"

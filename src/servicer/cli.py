@@ -299,6 +299,14 @@ def build_parser() -> argparse.ArgumentParser:
         "or relative to it, must lie inside it, and new directories are private to the daemon's user "
         "(default: $SGLANG_TORCH_PROFILER_DIR if set, else profiling is off)",
     )
+    p.add_argument(
+        "--tp-size",
+        type=_COUNT,
+        default=e.tp_size,
+        metavar="N",
+        help="tensor parallelism: the model split across N ranks, one process each (the heads, the MLP "
+        "columns and the vocabulary divided among them; their threads share --num-threads' cores)",
+    )
     pd = p.add_argument_group(
         "prefill/decode disaggregation",
         "two daemons serve each request behind `smg launch --pd-disaggregation`: the prefill daemon "

@@ -199,7 +199,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             "model_path": i.model_path,
             "served_model_name": i.served_model_name,
             "tokenizer_path": i.tokenizer_path,
-            "tp_size": 1,
+            "tp_size": i.tp_size,
             "dp_size": 1,
             "pp_size": 1,
             "context_length": i.max_context_length,

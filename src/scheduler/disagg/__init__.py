@@ -26,7 +26,7 @@ def build_coordinator(settings, scheduler, kv, runner, abort):
 
     if settings.mode not in ("prefill", "decode"):
         raise ValueError(f"unknown --disaggregation-mode {settings.mode!r} (null, prefill or decode)")
-    mc, rc = runner.model_config, runner.config
+    mc, rc = runner.layer_config, runner.config  # (the KV heads this rank holds)
     cache = runner.kv_cache
     if not cache.is_contiguous():
         raise ValueError("PD disaggregation needs one contiguous KV cache tensor")

@@ -17,13 +17,14 @@ MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
 }
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype | None = None) -> torch.nn.Module:
+def build_model(config: ModelConfig, dtype: torch.dtype | None = None, tp=None) -> torch.nn.Module:
     """An unloaded model for ``config`` (call ``load_weights`` next); ``dtype`` sets the
-    parameter dtype up front, which avoids a transient fp32 copy of a bf16 checkpoint."""
+    parameter dtype up front, which avoids a transient fp32 copy of a bf16 checkpoint.
+    ``tp``: this rank's share under tensor parallelism (tensor_parallel.py)."""
     try:
         cls = MODEL_REGISTRY[config.architecture]
     except KeyError:
         raise NotImplementedError(
             f"architecture {config.architecture!r} is not supported (have {sorted(MODEL_REGISTRY)})"
         ) from None
-    return cls(config, dtype=dtype)
+    return cls(config, dtype=dtype, tp=tp)

@@ -14,6 +14,7 @@ from torch import nn
 
 from kernels.backend import KVCache, Projection, TorchBackend
 from kernels.rotary import rope_cos_sin
+from kernels.util import cdiv
 
 from ..model_config import ModelConfig
 
@@ -87,15 +88,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None, tp=None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Attention(config, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
+        self.tp = tp  # tensor_parallel.TpGroup: o and down are row-parallel, their outputs summed
 
     def forward(self, ops: TorchBackend, rope, x, residual, kv_cache: KVCache, meta):
-        fused = ops.decoder_layer(self, rope, x, residual, kv_cache, meta)
+        fused = ops.decoder_layer(self, rope, x, residual, kv_cache, meta) if self.tp is None else None
         if fused is not None:
             return fused
         # The residual add is deferred into the next norm (x + residual, then normalise),
@@ -105,16 +107,21 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(ops, x, residual)
         x = self.self_attn(ops, rope, x, kv_cache, meta)
+        if self.tp is not None:
+            x = self.tp.all_reduce(x)
         x, residual = self.post_attention_layernorm(ops, x, residual)
-        return self.mlp(ops, x), residual
+        x = self.mlp(ops, x)
+        if self.tp is not None:
+            x = self.tp.all_reduce(x)
+        return x, residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None, vocab_rows: int, tp=None):
         super().__init__()
-        self.embed_tokens = nn.utils.skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = nn.utils.skip_init(nn.Embedding, vocab_rows, config.hidden_size, dtype=dtype)
         self.rotary = RotaryEmbedding(config)  # one table for all layers
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
@@ -122,19 +129,33 @@ class LlamaForCausalLM(nn.Module):
     # HF names of the checkpoint tensors that we concatenate into one parameter.
     FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, tp=None):
+        """``tp`` (a tensor_parallel.TpGroup): ``config`` is then this rank's share of the
+        model (tensor_parallel.shard_config), and the embedding and LM head hold this rank's
+        rows of the vocabulary."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype)
-        self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype)
+        self.tp = tp
+        self.vocab_rows = config.vocab_size if tp is None else cdiv(config.vocab_size, tp.size)
+        self.model = LlamaModel(config, dtype, self.vocab_rows, tp)
+        self.lm_head = _linear(config.hidden_size, self.vocab_rows, False, dtype)
         if config.tie_word_embeddings:  # one parameter, loaded as the embedding
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.model.embed_tokens(input_ids)
+        # vocab-parallel: the rows this rank holds, zeros elsewhere, summed over the ranks
+        local = input_ids - self.tp.rank * self.vocab_rows
+        inside = (local >= 0) & (local < self.vocab_rows)
+        x = self.model.embed_tokens(local.clamp(0, self.vocab_rows - 1))
+        return self.tp.all_reduce(x * inside.unsqueeze(-1).to(x.dtype))
 
     def forward(self, ops: TorchBackend, input_ids: torch.Tensor, kv_caches: list[KVCache], meta) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of the flattened batch (final norm applied), computed
         by the kernel backend ``ops`` over its metadata ``meta`` (``ops.prepare_metadata``)."""
         rope = self.model.rotary(meta.positions)
-        x, residual = self.model.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         if self.config.embedding_multiplier != 1.0:  # (Granite)
             x = x * self.config.embedding_multiplier
         for layer, kv_cache in zip(self.model.layers, kv_caches):
@@ -143,7 +164,8 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, ops: TorchBackend, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head over only the rows that sample: ``[N, hidden] -> [N, vocab]``."""
+        """LM head over only the rows that sample: ``[N, hidden] -> [N, vocab]`` (with ``tp``,
+        this rank's columns of the vocabulary)."""
         return ops.project(hidden, self.lm_head)
 
     @torch.no_grad()

@@ -1,0 +1,150 @@
+"""Tensor parallelism (``--tp-size N``) over torch.distributed: N ranks, one process each,
+every layer split Megatron-style.
+
+- q/k/v and gate/up are column-parallel: each rank holds its heads (its share of the KV
+  heads, or one KV head copied to several ranks when N exceeds them) and its share of the
+  MLP's columns; o and down are row-parallel and their outputs summed by an all-reduce.
+- The embedding and the LM head are split by vocabulary: each rank looks up (or scores)
+  its share, the embedding's parts are summed and the logits gathered on rank 0, where
+  sampling runs once.
+- Rank 0 is the scheduler's runner: before each forward pass (and each LM head call) it
+  sends the other ranks what they need to do the same on their shard (``Command``, over a
+  pipe: an idle rank waits there, not in a collective that would time out); they loop on
+  those commands in their own processes (``tp_worker.py``).
+
+gloo on CPUs, NCCL on CUDA (the device layer's backend on NPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kernels.util import cdiv
+
+from .model_config import ModelConfig
+
+COLLECTIVE_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Command:
+    """What rank 0 asks the other ranks to run next (pickled)."""
+
+    kind: str  # "forward" | "logits" | "stop"
+    args: Any = None
+
+
+class TpGroup:
+    """This process's rank in the tensor-parallel group, and the group's collectives."""
+
+    def __init__(self, rank: int, size: int, device: torch.device):
+        self.rank, self.size, self.device = rank, size, device
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x
+
+    def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """Rank 0: the full ``[rows, vocab]`` logits from every rank's ``[rows, vocab/N]``
+        share; the other ranks: None."""
+        parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(local.contiguous(), parts, dst=0)
+        return torch.cat(parts, dim=-1)[:, :vocab_size] if self.rank == 0 else None
+
+
+# -- how the model is split ------------------------------------------------------------------
+
+
+def check_divisible(config: ModelConfig, size: int) -> None:
+    """ValueError for a model that ``size`` ranks cannot split evenly."""
+    c = config
+    problems = []
+    if c.num_heads % size:
+        problems.append(f"{c.num_heads} attention heads")
+    if c.num_kv_heads % size and size % c.num_kv_heads:
+        problems.append(f"{c.num_kv_heads} KV heads (nor do they divide it)")
+    if c.intermediate_size % size:
+        problems.append(f"an MLP of {c.intermediate_size} columns")
+    if problems:
+        raise ValueError(f"--tp-size {size} does not divide {c.architecture}'s {', '.join(problems)}")
+
+
+def kv_heads(config: ModelConfig, rank: int, size: int) -> range:
+    """The KV heads rank ``rank`` holds: its share, or the one its query heads read when
+    there are fewer KV heads than ranks (copied on ``size / num_kv_heads`` ranks)."""
+    kv = config.num_kv_heads
+    if kv >= size:
+        per = kv // size
+        return range(rank * per, (rank + 1) * per)
+    head = rank // (size // kv)
+    return range(head, head + 1)
+
+
+def vocab_share(config: ModelConfig, size: int) -> int:
+    """Rows of the embedding (and LM head) per rank; the last rank's are padded."""
+    return cdiv(config.vocab_size, size)
+
+
+def shard_config(config: ModelConfig, size: int) -> ModelConfig:
+    """One rank's model: its heads and MLP columns (the vocabulary stays whole here; the
+    embedding and LM head take ``vocab_share`` rows)."""
+    if size == 1:
+        return config
+    return dataclasses.replace(
+        config,
+        num_heads=config.num_heads // size,
+        num_kv_heads=max(1, config.num_kv_heads // size),
+        intermediate_size=config.intermediate_size // size,
+    )
+
+
+def shard_state_dict(sd: dict[str, torch.Tensor], config: ModelConfig, rank: int, size: int) -> None:
+    """Cut an HF-named state dict down to rank ``rank``'s slices, in place."""
+    d = config.head_dim
+    q_per = config.num_heads // size
+    q_rows = slice(rank * q_per * d, (rank + 1) * q_per * d)
+    kv = kv_heads(config, rank, size)
+    kv_rows = slice(kv.start * d, kv.stop * d)
+    cols_per = config.intermediate_size // size
+    cols = slice(rank * cols_per, (rank + 1) * cols_per)
+    vocab = vocab_share(config, size)
+    for name in list(sd):
+        w = sd[name]
+        part = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if part == "q_proj":
+            w = w[q_rows]
+        elif part in ("k_proj", "v_proj"):
+            w = w[kv_rows]
+        elif part in ("gate_proj", "up_proj"):
+            w = w[cols]
+        elif part in ("o_proj", "down_proj"):
+            if name.endswith(".bias"):  # added once: by rank 0, before the sum
+                w = w if rank == 0 else torch.zeros_like(w)
+            else:
+                w = w[:, q_rows] if part == "o_proj" else w[:, cols]
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            w = _pad_rows(w[rank * vocab : (rank + 1) * vocab], vocab)
+        else:
+            continue  # norms: every rank holds them whole
+        sd[name] = w.contiguous()
+
+
+def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    if w.shape[0] == rows:
+        return w
+    return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])])
+
+
+def init_process_group(rank: int, size: int, init_method: str, device: torch.device) -> TpGroup:
+    """Join the group. The ranks meet at once (before loading weights) and then run each step
+    in lockstep, so a collective that waits this long means a rank is gone."""
+    backend = "nccl" if device.type == "cuda" else "hccl" if device.type == "npu" else "gloo"
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
+    return TpGroup(rank, size, device)
