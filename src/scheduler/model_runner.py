@@ -147,6 +147,8 @@ class ModelRunner:
         packed = self.model.lm_head.packed_weight is not None  # (by an earlier runner sharing the model)
         self.config = rc = resolve(config, self.layer_config, self.weight_bytes, packed, platform)
         rc.log()
+        if tp is not None:  # (a step's activations at most)
+            tp.use_shared_memory(rc.max_num_batched_tokens * self.model_config.hidden_size)
         self.device, self.dtype, self.block_size = rc.device, rc.dtype, rc.block_size
         self.max_model_len, self.num_cache_blocks = rc.max_model_len, rc.num_kv_blocks
         self.max_running_requests, self.max_num_batched_tokens = rc.max_running_requests, rc.max_num_batched_tokens
