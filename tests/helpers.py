@@ -260,8 +260,10 @@ class Daemon(_ManagedProcess):
         start_timeout_s: float = DAEMON_START_TIMEOUT_S,
         log_level: str = "info",
         wait_serving: bool = True,
+        env: dict[str, str] | None = None,
     ):
         super().__init__(log_dir)
+        self.env = dict(env or {})  # added to the test environment
         self.host = "127.0.0.1"
         self.port = port or free_port()
         self.wait_serving = wait_serving
@@ -287,7 +289,7 @@ class Daemon(_ManagedProcess):
         self._t0: float | None = None  # when the process was started
 
     def __enter__(self) -> Daemon:
-        env = _base_env()
+        env = _base_env() | self.env
         env["PYTHONPATH"] = os.pathsep.join(p for p in [str(SRC_DIR), env.get("PYTHONPATH", "")] if p)
         self._t0 = time.monotonic()
         self._spawn([sys.executable, "-m", "servicer"] + self.args, env)

@@ -112,6 +112,10 @@ def pd_pair(tmp_path_factory):
     # one of its own all the same, so that no default port is ever assumed free)
     bootstrap_port, decode_bootstrap_port = free_ports(2)
     sizes = dict(max_running_requests=E2E_MAX_RUNNING_REQUESTS, kv_cache_tokens=E2E_KV_CACHE_TOKENS)
+    # Both daemons' threads share the machine's cores (as many each as the session daemon, for
+    # equal floats): threads that sleep at their barriers instead of spinning keep a busy
+    # step of one from starving the other's, which the router would take for a stuck worker.
+    sizes["env"] = {"OMP_WAIT_POLICY": "PASSIVE"}
     prefill = Daemon(
         model=E2E_MODEL,
         extra_args=pd_args("prefill", bootstrap_port),
@@ -305,6 +309,8 @@ def test_pd_greedy_equals_one_daemon(pd_pair, router, model):
     for q in questions:
         mine = chat(pd_pair.router, q, max_tokens=24)
         ref = chat(router, q, max_tokens=24)
+        if "France" in q:
+            assert "Paris" in mine["choices"][0]["message"]["content"], mine
         assert mine["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"], (q, mine, ref)
         assert mine["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"]
         for k in ("prompt_tokens", "completion_tokens"):
@@ -313,6 +319,24 @@ def test_pd_greedy_equals_one_daemon(pd_pair, router, model):
     mine = ok_json(pd_pair.router.post("/v1/completions", dict(body, model=pd_pair.model)))
     ref = ok_json(router.post("/v1/completions", dict(body, model=model)))
     assert mine["choices"][0]["text"] == ref["choices"][0]["text"], (mine, ref)
+    check_both_free_and_serving(pd_pair)
+
+
+def test_sixteen_concurrent_prompts_equal_one_daemons(pd_pair, router, model):
+    """16 completions at once through each router: the PD pair's greedy texts are the single
+    daemon's, and the decode daemon computed none of their prompt tokens."""
+    prompts = [f"Write one sentence about the number {i}." for i in range(16)]
+
+    def complete(r, name, prompt):
+        return ok_json(r.post("/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 12, "temperature": 0}))
+
+    before = stats_now(pd_pair.d)
+    with ThreadPoolExecutor(16) as pool:
+        mine = list(pool.map(lambda p: complete(pd_pair.router, pd_pair.model, p), prompts))
+        ref = list(pool.map(lambda p: complete(router, model, p), prompts))
+    assert [m["choices"][0]["text"] for m in mine] == [r["choices"][0]["text"] for r in ref]
+    moved = deltas(pd_pair.d, before)
+    assert moved["pd_received_requests"] == 16 and moved["num_computed_prompt_tokens"] == 0, moved
     check_both_free_and_serving(pd_pair)
 
 

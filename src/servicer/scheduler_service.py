@@ -98,6 +98,11 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         )
         try:
             self._submit(base, ids, queue)
+            if base.disagg is not None:
+                # A PD leg may produce nothing for seconds (the prefill until its KV is sent, the
+                # decode until it arrives): the headers tell the router the leg was dispatched,
+                # which it otherwise takes for a stuck worker after a few seconds.
+                await context.send_initial_metadata(())
             while not responses.done:
                 out = await queue.get()
                 if isinstance(out, Exception):
