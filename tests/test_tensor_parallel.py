@@ -99,6 +99,22 @@ def test_kv_heads_are_split_or_copied():
         tensor_parallel.check_divisible(config, 3)
 
 
+def test_a_rank_reads_only_its_slices_of_a_safetensors_checkpoint(tmp_path):
+    """Sliced reads give what cutting the whole state dict gives."""
+    from scheduler.weights import load_checkpoint
+
+    path = random_checkpoint("llama", tmp_path)
+    config, whole = load_checkpoint(path)
+    for rank in range(2):
+        expected = dict(whole)
+        tensor_parallel.shard_state_dict(expected, config, rank, 2)
+        _, sliced = load_checkpoint(path, tp=(rank, 2))
+        assert sliced.keys() == expected.keys()
+        for name, w in expected.items():
+            assert torch.equal(sliced[name], w), name
+    assert sliced["model.embed_tokens.weight"].shape[0] == 161  # 321 rows, padded to 2 x 161
+
+
 @pytest.mark.parametrize("family, tp", [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("llama", 4)])
 def test_split_model_gives_one_ranks_tokens_and_logits(family, tp, tmp_path):
     path = random_checkpoint(family, tmp_path)

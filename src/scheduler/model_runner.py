@@ -97,12 +97,8 @@ def load_model(config: EngineConfig, tp: TpGroup | None = None) -> LoadedModel:
     path = resolve_model(config.model)
     started = time.perf_counter()
     logger.info("loading %s onto %s (%s)", path, device, str(dtype).removeprefix("torch."))
-    model_config, state_dict = load_checkpoint(path, dtype)
-    shard = None
-    if tp is not None:
-        tensor_parallel.check_divisible(model_config, tp.size)
-        tensor_parallel.shard_state_dict(state_dict, model_config, tp.rank, tp.size)
-        shard = tensor_parallel.shard_config(model_config, tp.size)
+    model_config, state_dict = load_checkpoint(path, dtype, (tp.rank, tp.size) if tp is not None else None)
+    shard = tensor_parallel.shard_config(model_config, tp.size) if tp is not None else None
     model = build_model(shard or model_config, dtype=dtype, tp=tp)
     model.load_weights(state_dict)  # (consumes it)
     model = model.to(device=device).eval()

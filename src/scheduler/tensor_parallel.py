@@ -164,35 +164,44 @@ def shard_config(config: ModelConfig, size: int) -> ModelConfig:
     )
 
 
-def shard_state_dict(sd: dict[str, torch.Tensor], config: ModelConfig, rank: int, size: int) -> None:
-    """Cut an HF-named state dict down to rank ``rank``'s slices, in place."""
-    d = config.head_dim
-    q_per = config.num_heads // size
-    q_rows = slice(rank * q_per * d, (rank + 1) * q_per * d)
-    kv = kv_heads(config, rank, size)
-    kv_rows = slice(kv.start * d, kv.stop * d)
-    cols_per = config.intermediate_size // size
-    cols = slice(rank * cols_per, (rank + 1) * cols_per)
-    vocab = vocab_share(config, size)
-    for name in list(sd):
-        w = sd[name]
+class Shard:
+    """Which part of each HF-named tensor rank ``rank`` keeps."""
+
+    def __init__(self, config: ModelConfig, rank: int, size: int):
+        d = config.head_dim
+        q_per = config.num_heads // size
+        self.rank = rank
+        self.q_rows = slice(rank * q_per * d, (rank + 1) * q_per * d)
+        kv = kv_heads(config, rank, size)
+        self.kv_rows = slice(kv.start * d, kv.stop * d)
+        cols_per = config.intermediate_size // size
+        self.cols = slice(rank * cols_per, (rank + 1) * cols_per)
+        self.vocab = vocab_share(config, size)
+
+    def take(self, name: str, w) -> torch.Tensor:
+        """This rank's part of tensor ``name``. ``w``: the tensor, or a safetensors slice (then
+        only that part is read from the file)."""
         part = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
         if part == "q_proj":
-            w = w[q_rows]
-        elif part in ("k_proj", "v_proj"):
-            w = w[kv_rows]
-        elif part in ("gate_proj", "up_proj"):
-            w = w[cols]
-        elif part in ("o_proj", "down_proj"):
+            return w[self.q_rows]
+        if part in ("k_proj", "v_proj"):
+            return w[self.kv_rows]
+        if part in ("gate_proj", "up_proj"):
+            return w[self.cols]
+        if part in ("o_proj", "down_proj"):
             if name.endswith(".bias"):  # added once: by rank 0, before the sum
-                w = w if rank == 0 else torch.zeros_like(w)
-            else:
-                w = w[:, q_rows] if part == "o_proj" else w[:, cols]
-        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            w = _pad_rows(w[rank * vocab : (rank + 1) * vocab], vocab)
-        else:
-            continue  # norms: every rank holds them whole
-        sd[name] = w.contiguous()
+                return w[:] if self.rank == 0 else torch.zeros_like(w[:])
+            return w[:, self.q_rows] if part == "o_proj" else w[:, self.cols]
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return _pad_rows(w[self.rank * self.vocab : (self.rank + 1) * self.vocab], self.vocab)
+        return w[:]  # norms: every rank holds them whole
+
+
+def shard_state_dict(sd: dict[str, torch.Tensor], config: ModelConfig, rank: int, size: int) -> None:
+    """Cut an HF-named state dict down to rank ``rank``'s slices, in place."""
+    shard = Shard(config, rank, size)
+    for name in list(sd):
+        sd[name] = shard.take(name, sd[name]).contiguous()
 
 
 def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:

@@ -37,19 +37,35 @@ _GGUF_SKIP = {"rope_freqs.weight"}
 _PERMUTED_ARCHS = {"llama", "mistral"}
 
 
-def load_checkpoint(path: str, dtype: torch.dtype | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_checkpoint(
+    path: str, dtype: torch.dtype | None = None, tp: tuple[int, int] | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(config, HF-named state dict) from a ``.gguf`` file or an HF model directory.
     ``dtype``: GGUF tensors are dequantised to float32 one at a time and cast to it at once
-    (holding them all in float32 would peak at 4x the final bf16 weights)."""
+    (holding them all in float32 would peak at 4x the final bf16 weights). ``tp``: (rank,
+    size) of a tensor-parallel rank, which gets its slices only: read alone from safetensors;
+    a GGUF's tensors are dequantised whole and then cut."""
+    from .tensor_parallel import Shard, check_divisible, shard_state_dict
+
     if os.path.isfile(path) and path.endswith(".gguf"):
-        return load_gguf(path, dtype)
+        config, sd = load_gguf(path, dtype)
+        if tp is not None:
+            check_divisible(config, tp[1])
+            shard_state_dict(sd, config, *tp)
+        return config, sd
     if os.path.isdir(path):
-        return ModelConfig.from_hf_dir(path), load_hf_safetensors(path)
+        config = ModelConfig.from_hf_dir(path)
+        if tp is not None:
+            check_divisible(config, tp[1])  # (before reading a weight)
+        return config, load_hf_safetensors(path, Shard(config, *tp) if tp is not None else None)
     raise FileNotFoundError(f"not a .gguf file or an HF model directory: {path}")
 
 
 # -- HF safetensors ---------------------------------------------------------------------
-def load_hf_safetensors(path: str) -> dict[str, torch.Tensor]:
+def load_hf_safetensors(path: str, shard=None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, or with ``shard`` (a tensor_parallel.Shard) the part of
+    each that one rank keeps, read alone."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     index = os.path.join(path, "model.safetensors.index.json")
@@ -62,7 +78,12 @@ def load_hf_safetensors(path: str) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
     state_dict: dict[str, torch.Tensor] = {}
     for name in files:
-        state_dict.update(load_file(os.path.join(path, name)))
+        if shard is None:
+            state_dict.update(load_file(os.path.join(path, name)))
+            continue
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            for key in f.keys():
+                state_dict[key] = shard.take(key, f.get_slice(key)).contiguous()
     return state_dict
 
 
