@@ -59,7 +59,7 @@ class TpGroup:
             self.shared = SharedMemoryAllReduce(self, max_elements)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.shared is not None and x.numel() <= self.shared.max_elements and x.is_contiguous():
+        if self.shared is not None and x.numel() <= self.shared.max_elements:
             return self.shared.all_reduce(x)
         dist.all_reduce(x)
         return x
@@ -107,14 +107,14 @@ class SharedMemoryAllReduce:
         self.seq += 1
         n = x.numel()
         rows = self.rows[self.seq % 2, :, :n]
-        rows[self.rank].copy_(x.view(-1))
+        rows[self.rank].view(x.shape).copy_(x)  # (any strides: a short CPU batch's may be column-major)
         self.written[self.rank] = self.seq
         while self.written.min() < self.seq:
             os.sched_yield()  # (ranks may outnumber the cores)
-        if x.dtype == torch.float32:
+        if x.dtype == torch.float32 and x.is_contiguous():
             torch.sum(rows, dim=0, out=x.view(-1))
         else:
-            x.view(-1).copy_(rows.sum(0))
+            x.copy_(rows.sum(0).view(x.shape))
         return x
 
 
