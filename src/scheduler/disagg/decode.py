@@ -88,7 +88,6 @@ class _Peer:
 @dataclass
 class _Leg:
     request: Request
-    params: DisaggParams
     cache_salt: str
     peer: _Peer
     state: str = PREALLOC
@@ -139,7 +138,7 @@ class DecodeCoordinator:
         peer = self.peers.get(key)
         if peer is None:
             peer = self.peers[key] = _Peer(self.ctx, *key)
-        self.legs[room] = _Leg(req, params, cache_salt, peer)
+        self.legs[room] = _Leg(req, cache_salt, peer)
         self.room_of[req.request_id] = room
         self.prealloc.append(room)
 
@@ -237,9 +236,9 @@ class DecodeCoordinator:
             )
             leg.state = UNSENT
             leg.deadline = now + min(HANDSHAKE_S, self.settings.bootstrap_timeout_s)
-            self._try_send(room, leg, now)
+            self._try_send(leg)
 
-    def _try_send(self, room: int, leg: _Leg, now: float) -> None:
+    def _try_send(self, leg: _Leg) -> None:
         if leg.peer.send(leg.register):
             leg.state = SENT
 
@@ -306,7 +305,7 @@ class DecodeCoordinator:
     def _expire(self, now: float) -> None:
         for room, leg in list(self.legs.items()):
             if leg.state == UNSENT and now < leg.deadline:
-                self._try_send(room, leg, now)
+                self._try_send(leg)
             if leg.state == PREALLOC or now < leg.deadline:
                 continue
             if leg.state == UNSENT:
