@@ -25,7 +25,7 @@ def loaded():
     return load_model(EngineConfig(device="cpu"))
 
 
-def make_engine(loaded, mode=None, port=0, block_size=16, timeout=30.0):
+def make_engine(loaded, mode=None, port=0, block_size=16, timeout=30.0, waiting=None):
     pd = None
     if mode is not None:
         pd = DisaggregationConfig(
@@ -34,7 +34,7 @@ def make_engine(loaded, mode=None, port=0, block_size=16, timeout=30.0):
             bootstrap_port=port,
             transfer_backend="memcpy",
             bootstrap_timeout_s=timeout,
-            waiting_timeout_s=timeout,
+            waiting_timeout_s=timeout if waiting is None else waiting,
         )
     config = EngineConfig(device="cpu", kv_cache_tokens=4096, block_size=block_size, disaggregation=pd)
     return Engine(config, ModelRunner(config, loaded))
@@ -194,7 +194,9 @@ def test_an_aborted_decode_leg_holds_its_blocks_until_prefill_confirms(pair):
 def test_a_leg_without_its_partner_times_out(loaded):
     port = free_port()
     prefill = make_engine(loaded, "prefill", port, timeout=0.3)
-    decode = make_engine(loaded, "decode", port, timeout=0.3)
+    # The decode leg waits longer than the prefill's bootstrap timeout, so the prefill's
+    # verdict reaches it first even on a loaded machine.
+    decode = make_engine(loaded, "decode", port, timeout=0.3, waiting=30.0)
     try:
         add(prefill, "alone", range(100, 140), 1, port)
         add(decode, "alone-too", range(100, 140), 2, port)
