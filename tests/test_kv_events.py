@@ -229,20 +229,23 @@ def scenario_replay():
         client.kv_event_listener(one_block_batch(700))
         assert (await next_real(caught_up)).sequence_number == 7
 
-        # From 0: live only.
+        # From 0: the blocks cached now (numbered like the last batch), then live.
+        client.kv_event_listener(KvEvents([KvRemoved([100])], time.time()))  # (batch 8)
         fresh = await subscribe(stub, hub, spb, start=0)
+        state = await next_real(fresh)
+        assert state.sequence_number == 8 and sorted(block_hashes(state)) == [200, 300, 400, 500, 600, 700]
         client.kv_event_listener(one_block_batch(800))
-        assert (await next_real(fresh)).sequence_number == 8
+        assert (await next_real(fresh)).sequence_number == 9
 
         # A cursor from the future (e.g. before a restart): OUT_OF_RANGE.
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await stub.SubscribeKvEvents(spb.SubscribeKvEventsRequest(start_sequence_number=9)).read()
+            await stub.SubscribeKvEvents(spb.SubscribeKvEventsRequest(start_sequence_number=10)).read()
         assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
 
         # Events with nothing publishable do not take a sequence number.
         client.kv_event_listener(KvEvents([stored(5, None, tokens=[1])], time.time()))
         client.kv_event_listener(one_block_batch(900))
-        assert (await next_real(fresh)).sequence_number == 9
+        assert (await next_real(fresh)).sequence_number == 10
         for call in (live, again, caught_up, fresh):
             call.cancel()
 
@@ -280,6 +283,7 @@ def scenario_cursor_from_before_a_restart():
             await stub.SubscribeKvEvents(spb.SubscribeKvEventsRequest(start_sequence_number=7)).read()
         assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE and "restarted" in e.value.details()
         fresh = await subscribe(stub, hub, spb, start=0)  # what the router does next
+        assert (await next_real(fresh)).sequence_number == 10  # (what is cached now)
         client.kv_event_listener(one_block_batch(1100))
         assert (await next_real(fresh)).sequence_number == 11
         again = await subscribe(stub, hub, spb, start=11)  # a cursor this run sent: accepted
@@ -347,12 +351,15 @@ def scenario_load_records():
         assert beat.load.sample > real.load.sample > changed.load.sample
         call.cancel()
 
-        # Without the opt-in, nothing before the first real batch.
+        # Without the opt-in, nothing before the first real batch (here the snapshot of
+        # block 100, then the next one).
         quiet = await subscribe(stub, hub, spb)
+        state = await quiet.read()
+        assert state.sequence_number == 1 and block_hashes(state) == [100] and not state.load.load_only
         await asyncio.sleep(1.3)
         client.kv_event_listener(one_block_batch(200))
-        b = await quiet.read()
-        assert b.sequence_number == 2 and not b.load.load_only
+        b = await next_real(quiet)
+        assert b.sequence_number == 2
         quiet.cancel()
 
     run_with_server(test)

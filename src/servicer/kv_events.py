@@ -9,7 +9,9 @@ far behind is dropped with DATA_LOSS; the others never wait for it).
 
 A stream (:meth:`KvEventHub.stream`):
 
-* ``start_sequence_number`` 0: live from now, no replay. A non-zero cursor inside the
+* ``start_sequence_number`` 0: a snapshot of the blocks cached now (one batch, numbered
+  like the last batch, whose state it holds; none while nothing is cached), then live. A
+  non-zero cursor inside the
   history replays exactly the batches after it, then goes live; a cursor older than the
   history, or beyond the last batch (e.g. from before a restart), is OUT_OF_RANGE and
   the router resubscribes from 0.
@@ -74,7 +76,7 @@ def to_proto_events(events: list, event_ids) -> list[common_pb2.KvCacheEvent]:
     run_tail = None  # hash of its last block
     for ev in events:
         if isinstance(ev, KvStored):
-            if ev.block_size <= 0 or len(ev.token_ids) != ev.block_size or ev.block_hash == ev.parent_hash:
+            if not well_formed(ev):
                 logger.warning(
                     "dropping a malformed stored KV block (hash %d, %d tokens, block size %d)",
                     ev.block_hash,
@@ -102,6 +104,10 @@ def to_proto_events(events: list, event_ids) -> list[common_pb2.KvCacheEvent]:
         elif isinstance(ev, KvCleared):
             out.append(common_pb2.KvCacheEvent(event_id=next(event_ids), cleared=common_pb2.KvCacheCleared()))
     return out
+
+
+def well_formed(ev: KvStored) -> bool:
+    return ev.block_size > 0 and len(ev.token_ids) == ev.block_size and ev.block_hash != ev.parent_hash
 
 
 def batch_blocks(batch: common_pb2.KvEventBatch) -> int:
@@ -240,6 +246,7 @@ class KvEventHub:
         # from this run (numbers restart at 1 with the daemon), however many batches it published.
         self.sent_seq = 0
         self.subscribers: set[_Subscriber] = set()
+        self.live: dict[int, KvStored] = {}  # the blocks cached now, each after its parent (snapshot)
         self._event_ids = itertools.count(1)
         # The watcher's view of the load, and whom it wakes: every stream that sends load
         # records when the load changes; at its next check, also those whose last record
@@ -251,6 +258,7 @@ class KvEventHub:
 
     # -- publisher side (called from the client's read loop) ----------------------------
     def publish(self, msg: KvEvents) -> common_pb2.KvEventBatch | None:
+        self._track(msg.events)
         events = to_proto_events(msg.events, self._event_ids)
         if not events:
             return None
@@ -269,9 +277,32 @@ class KvEventHub:
                 self.unsubscribe(sub)
         return batch
 
+    def _track(self, events: list) -> None:
+        for ev in events:
+            if isinstance(ev, KvStored):
+                if well_formed(ev):
+                    self.live.pop(ev.block_hash, None)  # (re-stored: after its parent again)
+                    self.live[ev.block_hash] = ev
+            elif isinstance(ev, KvRemoved):
+                for h in ev.block_hashes:
+                    self.live.pop(h, None)
+            elif isinstance(ev, KvCleared):
+                self.live.clear()
+
+    def snapshot(self) -> common_pb2.KvEventBatch | None:
+        """The blocks cached now, as one batch numbered like the last one (it stands for
+        every batch up to it); None when none are."""
+        events = to_proto_events(list(self.live.values()), self._event_ids)
+        if not events:
+            return None
+        return common_pb2.KvEventBatch(sequence_number=self.last_seq, timestamp=time.time(), events=events)
+
     # -- subscriber side ------------------------------------------------------------------
     def subscribe(self, start: int) -> tuple[_Subscriber, list[common_pb2.KvEventBatch]]:
-        """Register a subscriber; returns it with the batches to replay first (seq > start)."""
+        """Register a subscriber; returns it with the batches to replay first: those after
+        ``start``, or from 0 the snapshot of what is cached now (a router that joins late
+        must learn the blocks stored before it came: a block whose parent it never saw
+        would be indexed at the wrong place)."""
         if len(self.subscribers) >= self.max_subscribers:
             raise TooManySubscribers(
                 f"this server already streams KV events to {len(self.subscribers)} subscribers "
@@ -290,6 +321,8 @@ class KvEventHub:
                     f"cursor {start} is older than the replay history (oldest batch {oldest}); resubscribe from 0"
                 )
             replay = [b for b, _ in self.history if b.sequence_number > start]
+        elif (state := self.snapshot()) is not None:
+            replay = [state]
         sub = _Subscriber(self.queue_size)
         self.subscribers.add(sub)
         return sub, replay
@@ -406,3 +439,4 @@ class KvEventHub:
         out.CopyFrom(batch)  # the stored batch is shared by every subscriber: never mutate it
         out.load.CopyFrom(load)
         return out
+
