@@ -202,6 +202,7 @@ def run_daemon(work, args, sampling: str = "greedy", dtype: str = "auto") -> dic
         cmd += ["--speculative-algorithm", args.speculative_algorithm]
     if args.threads:
         cmd += ["--num-threads", str(args.threads)]
+    cmd += getattr(args, "daemon_args", [])
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
@@ -221,11 +222,11 @@ def run_daemon(work, args, sampling: str = "greedy", dtype: str = "auto") -> dic
                 time.sleep(0.5)
         # Where the CPU goes during the load: on 2 cores every second the servicer or the
         # client spends is taken from the scheduler's torch threads.
-        pids = {"servicer": proc.pid, "scheduler": _children(proc.pid)[0]}
-        cpu0 = {k: _cpu_seconds(p) for k, p in pids.items()}
+        pids = {"servicer": [proc.pid], "scheduler": _children(proc.pid)}  # (one per DP replica)
+        cpu0 = {k: sum(map(_cpu_seconds, p)) for k, p in pids.items()}
         client0 = time.process_time()
         wall, results = asyncio.run(_grpc_load(port, work, sampling))
-        cpu = {k: round(_cpu_seconds(p) - cpu0[k], 1) for k, p in pids.items()}
+        cpu = {k: round(sum(map(_cpu_seconds, p)) - cpu0[k], 1) for k, p in pids.items()}
         cpu["client"] = round(time.process_time() - client0, 1)
         assert all(n == want for (_, _, n), (_, want) in zip(results, work))
         name = (

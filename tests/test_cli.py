@@ -92,6 +92,12 @@ def test_disaggregation_flags():
     )
 
 
+def test_parallelism_flags():
+    e = parse(["--tp-size", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:29500"])["engine"]
+    assert (e["tp_size"], e["nnodes"], e["node_rank"], e["dist_init_addr"]) == (4, 2, 1, "10.0.0.1:29500")
+    assert parse(["--dp-size", "3"])["engine"]["dp_size"] == 3
+
+
 def test_constrained_json_is_compact_unless_any_whitespace_is_allowed():
     assert not parse([])["engine"]["constrained_json_any_whitespace"]
     assert parse(["--constrained-json-allow-any-whitespace"])["engine"]["constrained_json_any_whitespace"]
@@ -132,6 +138,13 @@ def test_constrained_json_is_compact_unless_any_whitespace_is_allowed():
         ["--disaggregation-bootstrap-port", "0"],
         ["--disaggregation-bootstrap-timeout", "0"],
         ["--disaggregation-transfer-backend", "nixl"],
+        ["--dp-size", "0"],
+        ["--dp-size", "2", "--disaggregation-mode", "decode"],
+        ["--nnodes", "2", "--tp-size", "2"],
+        ["--nnodes", "2", "--tp-size", "3", "--dist-init-addr", "127.0.0.1:29500"],
+        ["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", "nowhere"],
+        ["--nnodes", "2", "--tp-size", "2", "--node-rank", "2", "--dist-init-addr", "127.0.0.1:29500"],
+        ["--nnodes", "2", "--tp-size", "2", "--dp-size", "2", "--dist-init-addr", "127.0.0.1:29500"],
     ],
 )
 def test_bad_values_are_refused(argv):

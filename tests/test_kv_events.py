@@ -65,6 +65,7 @@ class FakeClient:
         self.died = asyncio.Event()
         self.dead_reason = None
         self.alive = True
+        self.size = 1  # DP ranks
         self.kv_event_listener = None
 
 

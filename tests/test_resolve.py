@@ -78,12 +78,20 @@ def test_speculation_resolves_its_cost_model_per_dtype():
         (dict(speculative_algorithm="ngram", overlap_schedule=True), "overlap schedule"),
         (dict(max_model_len=257), "exceeds the model's context"),
         (dict(kv_cache_memory="1KiB"), "fewer than 2 blocks"),
+        (dict(tp_size=2, overlap_schedule=True), "cannot run with --tp-size"),
     ],
 )
 def test_what_cannot_run_is_refused(overrides, error, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=error):
         cpu(**overrides)
+
+
+def test_replicas_and_ranks_share_the_cores(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert cpu().num_threads == 8
+    assert cpu(tp_size=2, dp_size=2).num_threads == 2
+    assert cpu(tp_size=2, nnodes=2).num_threads == 8  # (one rank on each host)
 
 
 def test_help_texts_read_the_table():

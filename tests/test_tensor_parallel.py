@@ -6,7 +6,11 @@ through chunked prefill, prefix hits and preemption."""
 
 from __future__ import annotations
 
+import os
 import random
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,6 +23,8 @@ from scheduler.model_config import ModelConfig
 from scheduler.tensor_parallel import Command
 
 transformers = pytest.importorskip("transformers")
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True)
 COMMON = dict(
@@ -161,3 +167,53 @@ def test_smollm2_in_three_ranks_through_chunks_and_prefix_hits():
         assert split.scheduler.num_cached_prompt_tokens > 0
     finally:
         split.runner.close()
+
+
+def test_two_nodes_on_loopback_give_one_nodes_tokens(tmp_path):
+    """--nnodes 2: rank 0 here (its engine), rank 1 run by a second `python -m servicer
+    --node-rank 1` as another host would, commands over TCP; a different KV size on its
+    command line yields to rank 0's."""
+    path = random_checkpoint("llama", tmp_path)
+    batch = prompts(5, COMMON["vocab_size"], seed=3)
+    expected = [c.output_ids for c in make_engine(path, 1).generate(batch, GREEDY)]
+    port = free_port_pair()
+    nodes = dict(nnodes=2, dist_init_addr=f"127.0.0.1:{port}")
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "servicer", "--model", path, "--device", "cpu", "--tp-size", "2", "--num-threads", "1"]
+        + [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--dist-init-addr",
+            nodes["dist_init_addr"],
+            "--kv-cache-tokens",
+            "999",
+        ],
+        env=dict(os.environ, PYTHONPATH=SRC),
+    )
+    try:
+        split = make_engine(path, 2, **nodes)
+        try:
+            assert split.runner.tp.shared is None  # (two hosts: the all-reduces go through gloo)
+            assert [c.output_ids for c in split.generate(batch, GREEDY)] == expected
+        finally:
+            split.runner.close()
+        assert node1.wait(30) == 0  # rank 0's stop ends the other node
+    finally:
+        node1.kill()
+        node1.wait()
+
+
+def free_port_pair() -> int:
+    """A port whose next one is free too (--dist-init-addr's port and rank 0's commands)."""
+    from helpers import free_port
+
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port

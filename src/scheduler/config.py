@@ -74,6 +74,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     profile_max_traces: int = PROFILE_MAX_TRACES  # traces kept under profile_dir; older ones are deleted
     disaggregation: DisaggregationConfig | None = None  # None: --disaggregation-mode null
     tp_size: int = 1  # tensor-parallel ranks, one process each (tensor_parallel.py)
+    nnodes: int = 1  # hosts the TP ranks span (--tp-size / --nnodes ranks on each)
+    node_rank: int = 0  # this host's place among them; 0 runs the scheduler and the gRPC server
+    dist_init_addr: str | None = None  # HOST:PORT where the ranks meet (and PORT+1: rank 0's commands)
+    dp_size: int = 1  # engine replicas behind the one port, a scheduler process each (servicer/replicas.py)
+    dp_rank: int = 0  # which replica this scheduler is (set by the servicer per process)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,6 +45,18 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def rank_device(device: torch.device, ordinal: int) -> torch.device:
+    """The device of the ``ordinal``-th rank (DP replica x TP rank) of a daemon whose first
+    rank runs on ``device``: the accelerators after it, one each; every rank on a CPU."""
+    if device.type == "cpu" or ordinal == 0:
+        return device
+    index = (device.index or 0) + ordinal
+    count = accelerator_module(device).device_count()
+    if index >= count:
+        raise ValueError(f"rank {ordinal} would run on {device.type}:{index}, but only {count} are visible")
+    return torch.device(device.type, index)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         name = DEVICE_DEFAULTS.get(device.type, DEVICE_DEFAULTS["npu"]).dtype

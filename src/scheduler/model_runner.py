@@ -24,7 +24,7 @@ from kernels.util import cdiv
 from . import tensor_parallel
 from .config import EngineConfig
 from .cpu_malloc import keep_freed_memory
-from .device import cpu_has_bf16, resolve_device, resolve_dtype, synchronize
+from .device import cpu_has_bf16, synchronize
 from .model_config import ModelConfig
 from .model_source import resolve_model
 from .models import build_model
@@ -92,8 +92,8 @@ def load_model(config: EngineConfig, tp: TpGroup | None = None) -> LoadedModel:
     """Resolve, read and place the weights (each tensor cast to the target dtype as it is
     read or adopted, so the peak stays near one copy plus a tensor); with ``tp``, this
     rank's slices of them."""
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    platform = resolve_platform(config, tp.rank if tp is not None else 0)
+    device, dtype = platform.device, platform.dtype
     path = resolve_model(config.model)
     started = time.perf_counter()
     logger.info("loading %s onto %s (%s)", path, device, str(dtype).removeprefix("torch."))
@@ -126,7 +126,8 @@ class ModelRunner:
         ``self.config`` is the resolved config (resolve.py), decided once the weights are in.
         With ``config.tp_size`` > 1 this runner is rank 0 and starts the other ranks; ``tp``:
         this runner is that rank of the group (tp_worker.py)."""
-        platform = resolve_platform(config)  # (a wrong name fails before the weights load)
+        # (a wrong name fails before the weights load)
+        platform = resolve_platform(config, tp.rank if tp is not None else 0)
         if platform.device.type == "cpu":
             _configure_cpu(platform)
         torch.manual_seed(config.seed)
@@ -143,7 +144,7 @@ class ModelRunner:
         packed = self.model.lm_head.packed_weight is not None  # (by an earlier runner sharing the model)
         self.config = rc = resolve(config, self.layer_config, self.weight_bytes, packed, platform)
         rc.log()
-        if tp is not None:  # (a step's activations at most)
+        if tp is not None and config.nnodes == 1:  # (a step's activations at most; one host's ranks)
             tp.use_shared_memory(rc.max_num_batched_tokens * self.model_config.hidden_size)
         self.device, self.dtype, self.block_size = rc.device, rc.dtype, rc.block_size
         self.max_model_len, self.num_cache_blocks = rc.max_model_len, rc.num_kv_blocks

@@ -20,7 +20,7 @@ from kernels.util import cdiv
 
 from .config import DEVICE_DEFAULTS, DeviceDefaults, DisaggregationConfig, EngineConfig, parse_memory_size
 from .cuda_graphs import capture_sizes
-from .device import cpu_has_bf16, free_memory_bytes, resolve_device, resolve_dtype
+from .device import cpu_has_bf16, free_memory_bytes, rank_device, resolve_device, resolve_dtype
 from .model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -85,15 +85,18 @@ class ResolvedConfig:
         logger.info("engine config: %s", ", ".join(f"{k}={v}" for k, v in fields.items()))
 
 
-def resolve_platform(config: EngineConfig) -> Platform:
+def resolve_platform(config: EngineConfig, tp_rank: int = 0) -> Platform:
     """The device, dtype and kernel backend, checked before any weight is read (a wrong name
-    fails start-up at once); raises ValueError."""
-    device = resolve_device(config.device)
+    fails start-up at once); raises ValueError. On accelerators each rank (of each replica)
+    takes the next device after the one named."""
+    local_rank = tp_rank % (config.tp_size // config.nnodes)  # (its place on its host)
+    device = rank_device(resolve_device(config.device), config.dp_rank * config.tp_size + local_rank)
     dtype = resolve_dtype(config.dtype, device)
     backend = _kernel_backend(config, device, _defaults(device))
     _speculative_algorithm(config)
-    # (tensor-parallel ranks share the cores)
-    threads = config.num_threads or max(1, (os.cpu_count() or 1) // config.tp_size)
+    # (every rank of every replica on this host shares its cores)
+    ranks_here = config.tp_size // config.nnodes * config.dp_size
+    threads = config.num_threads or max(1, (os.cpu_count() or 1) // ranks_here)
     return Platform(device, dtype, backend, threads)
 
 
@@ -230,10 +233,14 @@ def _speculative_algorithm(config: EngineConfig) -> str:
 
 
 def _overlap_schedule(config: EngineConfig, defaults: DeviceDefaults, speculative: str) -> bool:
-    """Speculation drafts from the last token, which must be on the host: no overlap."""
+    """Speculation drafts from the last token, which must be on the host: no overlap. Nor
+    under tensor parallelism: the other ranks get a step's token ids from rank 0's host
+    before its previous step's tokens are known there."""
+    if config.overlap_schedule and config.tp_size > 1:
+        raise ValueError("--overlap-schedule on cannot run with --tp-size > 1")
     if config.overlap_schedule is not None:
         return config.overlap_schedule
-    return defaults.overlap_schedule and speculative == "none"
+    return defaults.overlap_schedule and speculative == "none" and config.tp_size == 1
 
 
 def _context_limit(requested: int | None, model: ModelConfig) -> int:

@@ -215,5 +215,7 @@ def init_process_group(rank: int, size: int, init_method: str, device: torch.dev
     in lockstep, so a collective that waits this long means a rank is gone."""
     backend = "nccl" if device.type == "cuda" else "hccl" if device.type == "npu" else "gloo"
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    if device.type != "cpu":  # (each rank's collectives on its own device)
+        getattr(torch, device.type).set_device(device)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
     return TpGroup(rank, size, device, name=init_method.rsplit(":", 1)[-1])  # (the port: one group's at a time)

@@ -307,6 +307,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor parallelism: the model split across N ranks, one process each (the heads, the MLP "
         "columns and the vocabulary divided among them; their threads share --num-threads' cores)",
     )
+    p.add_argument(
+        "--nnodes",
+        type=_COUNT,
+        default=e.nnodes,
+        metavar="N",
+        help="hosts the --tp-size ranks span, --tp-size / N on each: node 0 runs the gRPC server and the "
+        "scheduler, the others (the same command with their --node-rank) run ranks only",
+    )
+    p.add_argument(
+        "--node-rank",
+        type=_number(int, 0),
+        default=e.node_rank,
+        metavar="R",
+        help="this host's place among --nnodes (0: the one serving)",
+    )
+    p.add_argument(
+        "--dist-init-addr",
+        default=e.dist_init_addr,
+        metavar="HOST:PORT",
+        help="where the ranks of several hosts meet (node 0's address; the next port carries node 0's "
+        "commands to the other hosts' ranks); needed with --nnodes > 1",
+    )
+    p.add_argument(
+        "--dp-size",
+        type=_COUNT,
+        default=e.dp_size,
+        metavar="N",
+        help="data parallelism: N engine replicas behind this one port, a scheduler process (and TP group) "
+        "each; a request goes to the rank its data_parallel_rank names, else to the least busy one; "
+        "the router's --dp-aware sees every rank as a worker (on accelerators each rank takes the next device)",
+    )
     pd = p.add_argument_group(
         "prefill/decode disaggregation",
         "two daemons serve each request behind `smg launch --pd-disaggregation`: the prefill daemon "
@@ -367,12 +398,30 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
         )
     args["overlap_schedule"] = {"auto": None, "on": True, "off": False}[args["overlap_schedule"]]
     args["disaggregation"] = _disaggregation(parser, args)
+    _check_nodes(parser, args)
+    if args["disaggregation"] is not None and args["dp_size"] > 1:
+        parser.error("--dp-size > 1 cannot serve PD legs yet: run one daemon per replica with --disaggregation-mode")
     engine_fields = set(EngineConfig.__struct_fields__)
     server_fields = {f.name for f in dataclasses.fields(ServerConfig)}
     assert set(args) <= engine_fields | server_fields, set(args) - engine_fields - server_fields  # a dest typo
     engine = EngineConfig(**{f: args[f] for f in engine_fields & set(args)})
     server = ServerConfig(**{f: args[f] for f in server_fields & set(args)})
     return engine, server
+
+
+def _check_nodes(parser: argparse.ArgumentParser, args: dict) -> None:
+    nnodes, rank, addr = args["nnodes"], args["node_rank"], args["dist_init_addr"]
+    if rank >= nnodes:
+        parser.error(f"--node-rank {rank} is not below --nnodes {nnodes}")
+    if nnodes == 1:
+        return
+    if args["tp_size"] % nnodes:
+        parser.error(f"--tp-size {args['tp_size']} does not divide among --nnodes {nnodes}")
+    if args["dp_size"] > 1:
+        parser.error("--dp-size > 1 cannot span several hosts yet (--nnodes > 1)")
+    host, _, port = (addr or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65535:
+        parser.error("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, PORT below 65535)")
 
 
 def _disaggregation(parser: argparse.ArgumentParser, args: dict) -> DisaggregationConfig | None:
@@ -401,9 +450,14 @@ def _disaggregation(parser: argparse.ArgumentParser, args: dict) -> Disaggregati
 
 def main(argv: list[str] | None = None) -> int:
     engine, server = parse_args(argv)
+    name = "servicer" if engine.node_rank == 0 else f"node-{engine.node_rank}"
     logging.basicConfig(
-        level=server.log_level.upper(), format="%(asctime)s %(levelname)s servicer[%(process)d]: %(message)s"
+        level=server.log_level.upper(), format=f"%(asctime)s %(levelname)s {name}[%(process)d]: %(message)s"
     )
+    if engine.node_rank > 0:  # ranks only: node 0 serves
+        from scheduler.tp_worker import run_node
+
+        return run_node(engine)
     logging.getLogger("grpc").setLevel(logging.INFO)  # its debug lines are per event-loop call
     logging.getLogger("grpc._cython.cygrpc").addFilter(ClientGoneFilter())
     try:

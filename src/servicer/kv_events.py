@@ -15,6 +15,8 @@ A stream (:meth:`KvEventHub.stream`):
   history replays exactly the batches after it, then goes live; a cursor older than the
   history, or beyond the last batch (e.g. from before a restart), is OUT_OF_RANGE and
   the router resubscribes from 0.
+* Several DP ranks (``merged_rank_streams``): each rank's hub numbers its own batches;
+  one stream carries them all, each batch naming its ``dp_rank``.
 * Every batch carries an ``EngineLoad`` record (from the scheduler's heartbeat snapshot).
   Between batches a ``load_only`` batch (no events, repeating the last sequence number)
   goes out when the load changed, or as a heartbeat after 1 s of silence (5 s after two
@@ -440,3 +442,54 @@ class KvEventHub:
         out.load.CopyFrom(load)
         return out
 
+
+class _RankContext:
+    """The call's context as one rank's stream sees it: the merged stream sends the headers
+    once every rank has subscribed."""
+
+    def __init__(self, context):
+        self.context = context
+        self.subscribed = asyncio.Event()
+
+    async def send_initial_metadata(self, metadata) -> None:
+        self.subscribed.set()
+
+    async def abort(self, code, details):
+        await self.context.abort(code, details)
+
+
+async def merged_rank_streams(hubs: list[KvEventHub], request, context, clients, wants=lambda rank: True):
+    """One SubscribeKvEvents stream over several DP ranks' hubs: each rank's batches (and
+    load records) as its own stream would send them, with ``dp_rank`` set, while
+    ``wants(rank)``. The cursor is rank 0's; the other ranks start from their current state."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(hubs))  # (a slow reader holds the pumps back)
+    contexts = [_RankContext(context) for _ in hubs]
+
+    async def pump(rank: int) -> None:
+        ranked = request
+        if rank:
+            ranked = type(request)(load_records_before_first_batch=request.load_records_before_first_batch)
+        try:
+            async for batch in hubs[rank].stream(ranked, contexts[rank], clients[rank]):
+                if wants(rank):
+                    batch.dp_rank = rank
+                    await queue.put(batch)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # (an abort: DATA_LOSS, UNAVAILABLE; the call ends with it)
+            contexts[rank].subscribed.set()
+            await queue.put(e)
+            raise
+
+    pumps = [asyncio.create_task(pump(rank)) for rank in range(len(hubs))]
+    try:
+        await asyncio.gather(*(c.subscribed.wait() for c in contexts))
+        await context.send_initial_metadata(())
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        for task in pumps:
+            task.cancel()

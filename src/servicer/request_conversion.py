@@ -130,8 +130,6 @@ def reject_unsupported(request) -> None:
         raise InvalidRequest(
             f"LoRA adapter {request.lora_id[:64]!r} is not loaded (this server serves the base model only)", "NOT_FOUND"
         )
-    if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
-        raise InvalidRequest(f"data_parallel_rank {request.data_parallel_rank} does not exist (one rank: 0)")
     unsupported = {
         "mm_inputs": request.HasField("mm_inputs"),
         "input_embeds": len(request.input_embeds) > 0,

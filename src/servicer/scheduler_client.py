@@ -153,9 +153,10 @@ class _Route:
 
 
 class SchedulerClient:
-    def __init__(self, config: EngineConfig, log_level: str = "info"):
+    def __init__(self, config: EngineConfig, log_level: str = "info", name: str = "the scheduler"):
         self.config = config
         self.log_level = log_level
+        self.name = name  # in log lines (a DP rank's)
         self.ctx = zmq.asyncio.Context()
         # No high-water marks: past one, pyzmq queues un-awaited sends at O(n) each (a burst
         # of n=10k children stalled the loop for seconds) and aborts wait behind them.
@@ -213,7 +214,7 @@ class SchedulerClient:
         src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
         self.process = await asyncio.create_subprocess_exec(*cmd, env=env)
-        logger.info("scheduler process started (pid %d)", self.process.pid)
+        logger.info("started %s process (pid %d)", self.name, self.process.pid)
         self._reader = asyncio.create_task(self._read_loop())
         self._watcher = asyncio.create_task(self._watch_process())
         ready = asyncio.create_task(self.ready.wait())
@@ -248,7 +249,7 @@ class SchedulerClient:
 
     def kill(self, reason: str) -> None:
         """SIGKILL the scheduler process (it works on a stopped one too); its exit marks it dead."""
-        logger.error("killing the scheduler process: %s", reason)
+        logger.error("killing %s process: %s", self.name, reason)
         self.dead_reason = reason
         if self.process is not None and self.process.returncode is None:
             self.process.kill()
@@ -279,7 +280,7 @@ class SchedulerClient:
         code = await self.process.wait()
         self._mark_dead(self.dead_reason or f"the scheduler process exited with code {code}")
         if code != 0:
-            logger.error("scheduler process exited with code %s", code)
+            logger.error("%s process exited with code %s", self.name, code)
 
     async def _read_loop(self) -> None:
         try:

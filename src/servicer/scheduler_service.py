@@ -21,9 +21,10 @@ from .generated import common_pb2
 from .generated import sglang_scheduler_pb2 as pb
 from .generated import sglang_scheduler_pb2_grpc as pb_grpc
 from .health import HealthState
-from .kv_events import KvEventHub, disaggregation_metrics
+from .kv_events import KvEventHub, disaggregation_metrics, merged_rank_streams
+from .replicas import Replicas
 from .request_conversion import MAX_SEED, InvalidRequest, check_request_id, to_add_request
-from .scheduler_client import SchedulerClient, SchedulerUnavailable
+from .scheduler_client import SchedulerUnavailable
 from .tokenizer_bundle import UnshippableFile, build_bundle, chunks
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ try:
 except importlib.metadata.PackageNotFoundError:  # run from a source tree without installing
     VERSION = "0+unknown"
 FLUSH_ANSWER_S = 10.0  # the scheduler answers a flush between steps
+MAX_PEER_RANKS = 1024  # connections whose DP rank is remembered (the newest)
 # An Abort may overtake its Generate (the router aborts when the client drops, once): ids
 # aborted while unknown are remembered this long (and at most this many), and a Generate
 # with one ends at once instead of running to its length limit for nobody.
@@ -46,7 +48,7 @@ def _struct(values: dict) -> struct_pb2.Struct:
 
 
 class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
-    def __init__(self, client: SchedulerClient, health: HealthState):
+    def __init__(self, client: Replicas, health: HealthState):
         """What the engine runs with comes from the scheduler (``client.model_info``, resolved
         there), never from the command line's EngineConfig."""
         self.client = client
@@ -56,8 +58,12 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         self.children: dict[str, list[str]] = {}  # parent request id -> scheduler request ids
         self.early_aborts: dict[str, float] = {}  # id aborted before its Generate came -> when (monotonic)
         self._bundle: asyncio.Task | None = None  # (zip bytes, sha256), built once
-        self.kv_events = KvEventHub()  # numbered from the first batch, subscribers or not
-        client.kv_event_listener = self.kv_events.publish
+        # Numbered from the first batch, subscribers or not; one hub per DP rank (each numbers
+        # its own batches, as the router's per-rank cursors expect).
+        self.rank_hubs = [KvEventHub() for _ in range(client.size)]
+        self.kv_events = self.rank_hubs[0]
+        self.peer_ranks: dict[str, int] = {}  # connection -> the DP rank its requests named
+        client.kv_event_listener = self._publish_kv_events
 
     @property
     def info(self) -> ModelInfo:
@@ -84,20 +90,23 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         if aborted_at is not None and time.monotonic() - aborted_at < EARLY_ABORT_TTL_S:
             await context.abort(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted before it arrived")
         ids = await self._sequence_ids(request, context)
+        rank = await self._dp_rank(request, base, context)
         responses = GenerateResponses(request, ids)
         self.children[rid] = ids
         queue: asyncio.Queue = asyncio.Queue()
         started = time.monotonic()
         logger.debug(
-            "request %s: %d prompt tokens, n=%d, max_new_tokens=%s, stream=%s",
+            "request %s: %d prompt tokens, n=%d, max_new_tokens=%s, stream=%s, DP rank %d%s",
             rid,
             len(base.input_ids),
             len(ids),
             base.sampling.max_new_tokens,
             request.stream,
+            rank,
+            " (asked)" if request.HasField("data_parallel_rank") else "",
         )
         try:
-            self._submit(base, ids, queue)
+            self._submit(base, ids, queue, rank)
             if base.disagg is not None:
                 # A PD leg may produce nothing for seconds (the prefill until its KV is sent, the
                 # decode until it arrives): the headers tell the router the leg was dispatched,
@@ -141,12 +150,36 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             )
         return ids
 
-    def _submit(self, base, ids: list[str], queue: asyncio.Queue) -> None:
+    async def _dp_rank(self, request, base, context) -> int:
+        """The replica the call runs on: the one ``data_parallel_rank`` names, else the one
+        caching most of the prompt, then the least busy (all n sequences on one, sharing the
+        prompt's KV)."""
+        wanted = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
+        if wanted is not None and not 0 <= wanted < self.client.size:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"data_parallel_rank {wanted} does not exist (dp_size {self.client.size})",
+            )
+        if wanted is not None and self.client.size > 1:
+            self._learn_peer_rank(context.peer(), wanted)
+        return self.client.pick_rank(wanted, base.input_ids, base.cache_salt)
+
+    def _learn_peer_rank(self, peer: str, rank: int) -> None:
+        """The router with --dp-aware keeps one connection per rank worker, and names the rank
+        in that worker's requests (but rank 0, which proto3 leaves off the wire). Its KV event
+        stream on that connection then gets that rank's batches only: it pools whatever a
+        stream carries into the one worker's index."""
+        self.peer_ranks.pop(peer, None)
+        self.peer_ranks[peer] = rank
+        if len(self.peer_ranks) > MAX_PEER_RANKS:
+            del self.peer_ranks[next(iter(self.peer_ranks))]
+
+    def _submit(self, base, ids: list[str], queue: asyncio.Queue, rank: int) -> None:
         for i, cid in enumerate(ids):
             child = msgspec.structs.replace(base, request_id=cid)
             if i and base.sampling.seed is not None:  # n seeded samples must differ, reproducibly
                 child.sampling = msgspec.structs.replace(base.sampling, seed=(base.sampling.seed + i) % MAX_SEED)
-            self.client.submit(child, queue)
+            self.client.submit(child, queue, rank)
 
     async def Abort(self, request, context):
         try:  # (an early abort is remembered: no id may cost more than a Generate's would)
@@ -205,7 +238,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             "served_model_name": i.served_model_name,
             "tokenizer_path": i.tokenizer_path,
             "tp_size": i.tp_size,
-            "dp_size": 1,
+            "dp_size": self.client.size,
             "pp_size": 1,
             "context_length": i.max_context_length,
             "max_total_tokens": i.max_total_num_tokens,
@@ -247,17 +280,38 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
     async def GetLoads(self, request, context):
         """Answered from the scheduler's latest heartbeat: never waits for a step."""
         await self._require_ready(context)
-        if request.HasField("dp_rank") and request.dp_rank != 0:
+        size = self.client.size
+        if request.HasField("dp_rank") and not 0 <= request.dp_rank < size:
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"dp_rank {request.dp_rank} does not exist (dp_size 1)"
+                grpc.StatusCode.INVALID_ARGUMENT, f"dp_rank {request.dp_rank} does not exist (dp_size {size})"
             )
-        s = self.client.liveness.load
         include = set(request.include) or {"all"}
+        ranks = [request.dp_rank] if request.HasField("dp_rank") else range(size)
+        loads = [self._load(rank, include) for rank in ranks]
+        n = len(loads)
+        return pb.GetLoadsResponse(
+            timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            version=VERSION,
+            dp_rank_count=size,
+            loads=loads,
+            aggregate=pb.AggregateMetrics(
+                total_running_reqs=sum(x.num_running_reqs for x in loads),
+                total_waiting_reqs=sum(x.num_waiting_reqs for x in loads),
+                total_reqs=sum(x.num_total_reqs for x in loads),
+                avg_token_usage=sum(x.token_usage for x in loads) / n,
+                avg_throughput=sum(x.gen_throughput for x in loads) / n,
+                avg_utilization=sum(x.utilization for x in loads) / n,
+            ),
+        )
+
+    def _load(self, rank: int, include: set[str]) -> pb.SchedulerLoad:
+        """One replica's load, from its latest heartbeat."""
+        s = self.client.ranks[rank].liveness.load
         wanted = lambda section: "all" in include or section in include  # noqa: E731
         total = s.max_total_num_tokens
         max_running = self.info.max_running_requests
         load = pb.SchedulerLoad(
-            dp_rank=0,
+            dp_rank=rank,
             num_running_reqs=s.num_running,
             num_waiting_reqs=s.num_waiting,
             num_total_reqs=s.num_running + s.num_waiting,
@@ -278,20 +332,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             load.queues.CopyFrom(pb.QueueMetrics(waiting=s.num_waiting))
         if wanted("disagg"):
             load.disaggregation.CopyFrom(pb.DisaggregationMetrics(**disaggregation_metrics(s.disagg)))
-        return pb.GetLoadsResponse(
-            timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            version=VERSION,
-            dp_rank_count=1,
-            loads=[load],
-            aggregate=pb.AggregateMetrics(
-                total_running_reqs=load.num_running_reqs,
-                total_waiting_reqs=load.num_waiting_reqs,
-                total_reqs=load.num_total_reqs,
-                avg_token_usage=load.token_usage,
-                avg_throughput=load.gen_throughput,
-                avg_utilization=load.utilization,
-            ),
-        )
+        return load
 
     # -- admin -------------------------------------------------------------------------
     async def FlushCache(self, request, context):
@@ -325,10 +366,22 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
     async def Embed(self, request, context):
         await self._unimplemented(context, "Embed (this is a generation model)")
 
+    def _publish_kv_events(self, msg, rank: int | None = None) -> None:
+        (self.kv_events if rank is None else self.rank_hubs[rank]).publish(msg)
+
     async def SubscribeKvEvents(self, request, context):
-        """Prefix-cache events with load records, replayable by cursor (contract §8)."""
+        """Prefix-cache events with load records, replayable by cursor (contract §8). With
+        several DP ranks one stream carries every rank's batches, each naming its rank and
+        numbered per rank; the cursor resumes rank 0's (as the router does). A connection whose
+        requests named a rank hears that rank's only (``_learn_peer_rank``)."""
         await self._require_ready(context)
-        async for batch in self.kv_events.stream(request, context, self.client):
+        if len(self.rank_hubs) == 1:
+            async for batch in self.kv_events.stream(request, context, self.client):
+                yield batch
+            return
+        peer = context.peer()
+        wants = lambda rank: self.peer_ranks.get(peer, rank) == rank  # noqa: E731
+        async for batch in merged_rank_streams(self.rank_hubs, request, context, self.client.ranks, wants):
             yield batch
 
     async def StartProfile(self, request, context):

@@ -21,7 +21,8 @@ from .error_guard import InternalErrorGuard
 from .generated import sglang_scheduler_pb2 as pb
 from .generated import sglang_scheduler_pb2_grpc as pb_grpc
 from .health import HealthServicer, HealthState
-from .scheduler_client import SchedulerClient, SchedulerUnavailable
+from .replicas import Replicas
+from .scheduler_client import SchedulerUnavailable
 from .scheduler_service import SglangSchedulerService
 from .tls import TLSConfigError, exposure_warning, load_server_credentials
 
@@ -66,15 +67,21 @@ class StartupError(Exception):
     pass
 
 
-async def warm_up(client: SchedulerClient, timeout: float = 120.0) -> None:
-    """One real greedy generation through the whole engine before we say SERVING."""
+async def warm_up(client: Replicas, timeout: float = 120.0) -> None:
+    """One real greedy generation through the whole engine (on every replica) before we say
+    SERVING."""
+    await asyncio.gather(*(_warm_up_rank(client, rank, timeout) for rank in range(client.size)))
+
+
+async def _warm_up_rank(client: Replicas, rank: int, timeout: float) -> None:
     queue: asyncio.Queue = asyncio.Queue()
-    rid = f"warmup-{time.time_ns()}"
+    rid = f"warmup-{rank}-{time.time_ns()}"
     context = client.model_info.max_context_length
     # (fits whatever --max-model-len says, and any vocabulary)
     prompt = [t % client.model_info.vocab_size for t in WARMUP_PROMPT[: max(1, context - 2)]]
     max_new = max(1, min(8, context - len(prompt)))
-    client.submit(AddRequest(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=max_new)), queue)
+    request = AddRequest(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=max_new))
+    client.submit(request, queue, rank=rank)
 
     async def finished() -> None:
         while True:
@@ -138,7 +145,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
     except TLSConfigError as e:
         logger.error("start-up failed: %s", e)
         return 1
-    client = SchedulerClient(engine_config, server_config.log_level)
+    client = Replicas(engine_config, server_config.log_level)
     health = HealthState(client)
     service = SglangSchedulerService(client, health)
 
@@ -207,7 +214,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         logger.info("stopped")
 
 
-async def _watchdog(client: SchedulerClient, timeout_s: float) -> None:
+async def _watchdog(client: Replicas, timeout_s: float) -> None:
     """Kill a scheduler that has made no progress for ``timeout_s`` (one step that never
     ends, or no heartbeat at all: a stopped or wedged process). Health already says
     NOT_SERVING by then, but its requests would hang until their clients give up; dead, it
@@ -221,12 +228,12 @@ async def _watchdog(client: SchedulerClient, timeout_s: float) -> None:
             return
 
 
-async def _start_engine(client: SchedulerClient) -> None:
+async def _start_engine(client: Replicas) -> None:
     await client.start()
     await warm_up(client)
 
 
-async def _drain(client: SchedulerClient, health: HealthState, grace_s: float, abort_now: asyncio.Event) -> None:
+async def _drain(client: Replicas, health: HealthState, grace_s: float, abort_now: asyncio.Event) -> None:
     """Stop admitting, let in-flight requests finish up to the grace period (or a second
     stop signal), abort the rest."""
     health.shutting_down = True
