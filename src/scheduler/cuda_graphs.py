@@ -58,8 +58,21 @@ def decode_inputs(
 
 
 class DecodeGraphs:
-    def __init__(self, model, backend, kv_caches, max_batch: int, max_blocks: int, device: torch.device, upload=None):
-        """``backend``: the runner's Triton backend (the graphs replay its kernels)."""
+    def __init__(
+        self,
+        model,
+        backend,
+        kv_caches,
+        max_batch: int,
+        max_blocks: int,
+        device: torch.device,
+        upload=None,
+        capture_error_mode: str = "global",
+    ):
+        """``backend``: the runner's Triton backend (the graphs replay its kernels). Under
+        tensor parallelism every rank captures the same sizes at the same time (the
+        all-reduces inside are captured too) and replays the same one each step."""
+        self.capture_error_mode = capture_error_mode
         self.model, self.backend, self.kv_caches, self.block_size = model, backend, kv_caches, backend.block_size
         self.upload = upload or HostToDevice(device)  # host arrays -> device, never waiting for the GPU
         self.sizes = capture_sizes(max_batch)
@@ -92,7 +105,7 @@ class DecodeGraphs:
             self._forward(bs)  # warm-up: compiles kernels, picks GEMM algorithms outside capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_error_mode):
                 self.outputs[bs] = self._forward(bs)
             self.graphs[bs] = graph
         torch.cuda.synchronize()

@@ -189,6 +189,8 @@ class ModelRunner:
             cdiv(self.max_model_len, self.block_size),
             self.device,
             self.upload,
+            # (the NCCL watchdog's thread queries the device while a TP graph is captured)
+            capture_error_mode="global" if self.tp is None else "thread_local",
         )
         self.graphs.capture()
 
@@ -268,6 +270,8 @@ class ModelRunner:
                 sample_rows.append(offset - 1)
         patch = self._patch(patch_pos, patch_rows, prev) if patch_pos else None
         if self.graphs is not None and offset == len(query_lens) and self.graphs.can_run(offset):
+            if self.workers is not None:  # the other ranks replay theirs: its all-reduces pair them
+                self.workers.send(Command("graph", (input_ids, seq_lens, tables)))
             hidden = self.graphs.run(input_ids, seq_lens, tables, patch)  # decode-only step
         else:
             if self.workers is not None:  # the other ranks run the same step on their shards

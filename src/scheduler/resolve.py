@@ -126,8 +126,7 @@ def resolve(
     budget = config.max_num_batched_tokens or defaults.max_num_batched_tokens
     threshold = config.long_prefill_token_threshold
     speculative = _speculative_algorithm(config)
-    # (a captured graph would need its all-reduces captured too: TP steps run eagerly)
-    cuda_graph = config.cuda_graph and defaults.cuda_graph and backend == "triton" and config.tp_size == 1
+    cuda_graph = config.cuda_graph and defaults.cuda_graph and backend == "triton"
     kv_bytes = (num_kv_blocks * config.block_size) * _bytes_per_token(model, dtype)
     resolved = ResolvedConfig(
         device=device,

@@ -40,7 +40,7 @@ COLLECTIVE_TIMEOUT_S = 300.0
 class Command:
     """What rank 0 asks the other ranks to run next (pickled)."""
 
-    kind: str  # "forward" | "logits" | "stop"
+    kind: str  # "forward" | "graph" | "logits" | "stop"
     args: Any = None
 
 

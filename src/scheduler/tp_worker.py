@@ -243,6 +243,8 @@ def _main(encoded_config: bytes, rank: int, init_method: str, commands) -> None:
                 sys.exit(1)
             if command.kind == "forward":
                 runner.forward(*command.args)
+            elif command.kind == "graph":  # a decode-only step on the CUDA graphs
+                runner.graphs.run(*command.args)
             elif command.kind == "logits":
                 hidden = command.args.to(runner.device)  # (from rank 0's device, or the network)
                 tp.gather_vocab(runner.model.compute_logits(runner.backend, hidden), vocab)
