@@ -217,3 +217,20 @@ def free_port_pair() -> int:
             except OSError:
                 continue
         return port
+
+
+def test_a_rank_reads_only_its_slices_of_a_gguf_checkpoint():
+    """SmolLM2's GGUF (Q4_1 and Q8_0 blocks) in three: each rank dequantises its rows, or
+    its columns' blocks, and gets exactly what cutting the whole dequantised tensors gives."""
+    from scheduler.model_source import resolve_model
+    from scheduler.weights import load_checkpoint
+
+    path = resolve_model("smollm2")
+    config, whole = load_checkpoint(path)
+    for rank in (0, 2):
+        expected = dict(whole)
+        tensor_parallel.shard_state_dict(expected, config, rank, 3)
+        _, sliced = load_checkpoint(path, tp=(rank, 3))
+        assert sliced.keys() == expected.keys()
+        for name, w in expected.items():
+            assert torch.equal(sliced[name], w), name

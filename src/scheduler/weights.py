@@ -43,16 +43,11 @@ def load_checkpoint(
     """(config, HF-named state dict) from a ``.gguf`` file or an HF model directory.
     ``dtype``: GGUF tensors are dequantised to float32 one at a time and cast to it at once
     (holding them all in float32 would peak at 4x the final bf16 weights). ``tp``: (rank,
-    size) of a tensor-parallel rank, which gets its slices only: read alone from safetensors;
-    a GGUF's tensors are dequantised whole and then cut."""
-    from .tensor_parallel import Shard, check_divisible, shard_state_dict
+    size) of a tensor-parallel rank, which reads and dequantises its slices only."""
+    from .tensor_parallel import Shard, check_divisible
 
     if os.path.isfile(path) and path.endswith(".gguf"):
-        config, sd = load_gguf(path, dtype)
-        if tp is not None:
-            check_divisible(config, tp[1])
-            shard_state_dict(sd, config, *tp)
-        return config, sd
+        return load_gguf(path, dtype, tp)
     if os.path.isdir(path):
         config = ModelConfig.from_hf_dir(path)
         if tp is not None:
@@ -111,21 +106,58 @@ def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _dequantize(tensor) -> np.ndarray:
-    from gguf.quants import dequantize
+class GgufSlice:
+    """A GGUF tensor read (and dequantised) only where it is indexed: ``t[rows]``,
+    ``t[:, cols]`` or ``t[:]``, as a float32 tensor. Quantised rows are runs of blocks, so a
+    row range is its rows' bytes, and a column range on block boundaries its bytes of each
+    row; any other column range is cut from the whole rows."""
 
-    # ggml lists dims fastest-first; numpy/torch want them slowest-first.
-    shape = [int(d) for d in reversed(tensor.shape)]
-    data = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-    # F32 comes back as a read-only view of the memory map: copy so torch may own it.
-    return data.astype(np.float32, copy=not data.flags.writeable)
+    def __init__(self, tensor):
+        import gguf
+
+        self.tensor = tensor
+        # ggml lists dims fastest-first; numpy/torch want them slowest-first.
+        self.shape = [int(d) for d in reversed(tensor.shape)]
+        self.block, self.block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        rows, cols = (index, slice(None)) if not isinstance(index, tuple) else index
+        data = self.tensor.data
+        if len(self.shape) == 1:
+            return self._dequantize(data[rows], [-1])
+        data, width = data[rows], self.shape[1]
+        start, stop, _ = cols.indices(width)
+        if (start, stop) == (0, width):
+            return self._dequantize(data, [-1, width])
+        if data.dtype != np.uint8:  # unquantised values
+            return self._dequantize(data[:, start:stop], [-1, stop - start])
+        if start % self.block == 0 and stop % self.block == 0:  # whole blocks: their bytes
+            lo, hi = start // self.block * self.block_bytes, stop // self.block * self.block_bytes
+            return self._dequantize(data[:, lo:hi], [-1, stop - start])
+        return self._dequantize(data, [-1, width])[:, start:stop]
+
+    def _dequantize(self, data: np.ndarray, shape: list[int]) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        out = dequantize(data, self.tensor.tensor_type).reshape(shape)
+        # F32 comes back as a read-only view of the memory map: copy so torch may own it.
+        return torch.from_numpy(out.astype(np.float32, copy=not out.flags.writeable))
 
 
-def load_gguf(path: str, dtype: torch.dtype | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(
+    path: str, dtype: torch.dtype | None = None, tp: tuple[int, int] | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """``tp``: (rank, size): that rank's slices only (tensor_parallel.Shard)."""
     import gguf
+
+    from .tensor_parallel import Shard, check_divisible
 
     reader = gguf.GGUFReader(path)
     config = ModelConfig.from_gguf(reader)
+    shard = None
+    if tp is not None:
+        check_divisible(config, tp[1])  # (before reading a weight)
+        shard = Shard(config, *tp)
     permuted = config.model_type in _PERMUTED_ARCHS
     tensors = reader.tensors
     if len(tensors) > 500:  # only big checkpoints are worth a progress bar
@@ -139,10 +171,10 @@ def load_gguf(path: str, dtype: torch.dtype | None = None) -> tuple[ModelConfig,
         name = gguf_to_hf_name(t.name)
         if name is None:
             raise ValueError(f"{path}: unknown GGUF tensor {t.name!r}")
-        w = torch.from_numpy(_dequantize(t))
-        if permuted and ".self_attn.q_proj." in name:
-            w = unpermute_rope_rows(w, config.num_heads)
-        elif permuted and ".self_attn.k_proj." in name:
-            w = unpermute_rope_rows(w, config.num_kv_heads)
+        w = GgufSlice(t)
+        w = shard.take(name, w).contiguous() if shard is not None else w[:]
+        if permuted and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            # (within each head: the rank's whole heads unpermute alone)
+            w = unpermute_rope_rows(w, w.shape[0] // config.head_dim)
         state_dict[name] = w if dtype is None else w.to(dtype)
     return config, state_dict
