@@ -194,6 +194,7 @@ def test_a_killed_replica_takes_the_daemon_down(dp_daemon):
         for t in threads:
             t.start()
         assert started.wait(60)
+        wait_until(lambda: statuses, 10, "the first health status")
         os.kill(schedulers[1], signal.SIGKILL)
         wait_until(lambda: dp_daemon.proc.poll() is not None, 60, "the daemon exiting")
         for t in threads:

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
@@ -59,11 +62,27 @@ def test_split_daemon_answers_through_the_router(tp_daemon, tmp_path):
 
 
 def test_a_killed_rank_takes_the_daemon_down(tp_daemon):
-    """(Last: this ends the module's daemon.)"""
+    """(Last: this ends the module's daemon.) Health watchers hear NOT_SERVING."""
     scheduler = child_pids(tp_daemon.proc.pid)[0]
     ranks = ranks_of(tp_daemon)
-    os.kill(ranks[0], signal.SIGKILL)
-    wait_until(lambda: tp_daemon.proc.poll() is not None, 60, "the daemon exiting")
+    statuses = []
+    with tp_daemon.channel() as ch:
+
+        def watch() -> None:
+            try:
+                for reply in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=60):
+                    statuses.append(reply.status)
+            except grpc.RpcError:
+                pass
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        wait_until(lambda: statuses, 10, "the first health status")
+        os.kill(ranks[0], signal.SIGKILL)
+        wait_until(lambda: tp_daemon.proc.poll() is not None, 60, "the daemon exiting")
+        watcher.join(30)
+    assert statuses[0] == health_pb2.HealthCheckResponse.SERVING
+    assert statuses[-1] == health_pb2.HealthCheckResponse.NOT_SERVING
     assert tp_daemon.proc.returncode != 0
     for pid in [scheduler, *ranks]:  # (the resource tracker ends once its parent has)
         wait_until(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), 10, f"process {pid} gone")
