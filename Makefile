@@ -41,7 +41,7 @@ format: setup
 # The default set: lint, then unit, parity and end-to-end tests on the real model, router
 # and grpcurl (tests marked slow run with `make test-slow`).
 test: lint
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PY) -m pytest -q -m "not slow" --durations=15 $(ARGS)
 
 # (pytest exits 5 when no test is marked slow: an empty set, not a failure)
 test-slow: setup

@@ -66,6 +66,9 @@ def test_the_daemon_reports_its_ranks(dp_daemon):
         with pytest.raises(grpc.RpcError) as e:
             generate(stub, "no-such-rank", [1, 2, 3], rank=DP)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dp_size 2" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # (rank 0's cursor: never sent)
+            next(iter(stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=10**6))))
+        assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
 
 
 def test_a_pinned_request_runs_on_its_rank_and_its_kv_events_name_it(dp_daemon):

@@ -532,6 +532,7 @@ def test_a_leg_whose_peer_never_comes_fails_with_bootstrap(pd_pair, case):
 # ------------------------------------------------------------------ health
 
 
+@pytest.mark.slow  # (a third daemon's start-up)
 def test_health_reports_a_held_bootstrap_port_until_it_is_free(tmp_path):
     """A prefill daemon whose bootstrap port is taken cannot serve PD requests: health says
     NOT_SERVING and HealthCheck names the bootstrap; once the port is free the daemon binds
@@ -576,6 +577,7 @@ def test_health_reports_a_held_bootstrap_port_until_it_is_free(tmp_path):
 # ------------------------------------------------------------------ last: kills the prefill daemon
 
 
+@pytest.mark.slow  # (the decode side holds the blocks for its quarantine, 35 s)
 def test_killing_the_prefill_mid_request_fails_it_and_frees_the_decode(pd_pair, tokenizer):
     """kill -9 of the whole prefill daemon while two long prompts are in flight, one through
     the router and one as legs sent by hand: the router's client gets a server error and the
