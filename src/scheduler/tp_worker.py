@@ -200,12 +200,21 @@ def run_node(config: EngineConfig) -> int:
     per = ranks_per_node(config)
     first = config.node_rank * per
     processes, _ = _spawn(config, range(first, first + per), init_method, lambda rank: commands)
-    stop = lambda *_: [p.kill() for p in processes]  # noqa: E731
+    stopped = []
+
+    def stop(signum, frame) -> None:  # (the group cannot go on without these ranks: rank 0 fails too)
+        stopped.append(signum)
+        for p in processes:
+            p.kill()
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     for p in processes:
         p.join()
     failed = [f"{p.name} (exit code {p.exitcode})" for p in processes if p.exitcode != 0]
+    if stopped:
+        logger.info("stopped by signal %d", stopped[0])
+        return 0
     if failed:
         logger.error("rank(s) ended without rank 0's word: %s", ", ".join(failed))
     return 1 if failed else 0

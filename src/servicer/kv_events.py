@@ -464,6 +464,7 @@ async def merged_rank_streams(hubs: list[KvEventHub], request, context, clients,
     ``wants(rank)``. The cursor is rank 0's; the other ranks start from their current state."""
     queue: asyncio.Queue = asyncio.Queue(maxsize=len(hubs))  # (a slow reader holds the pumps back)
     contexts = [_RankContext(context) for _ in hubs]
+    failures: list[BaseException] = []
 
     async def pump(rank: int) -> None:
         ranked = request
@@ -476,20 +477,21 @@ async def merged_rank_streams(hubs: list[KvEventHub], request, context, clients,
                     await queue.put(batch)
         except asyncio.CancelledError:
             raise
-        except BaseException as e:  # (an abort: DATA_LOSS, UNAVAILABLE; the call ends with it)
+        except BaseException as e:  # (an abort: OUT_OF_RANGE, DATA_LOSS, UNAVAILABLE; the call ends with it)
+            failures.append(e)
             contexts[rank].subscribed.set()
-            await queue.put(e)
-            raise
+            await queue.put(None)  # (wakes the reader)
 
     pumps = [asyncio.create_task(pump(rank)) for rank in range(len(hubs))]
     try:
         await asyncio.gather(*(c.subscribed.wait() for c in contexts))
-        await context.send_initial_metadata(())
-        while True:
+        if not failures:
+            await context.send_initial_metadata(())
+        while not failures:
             item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+            if item is not None:
+                yield item
+        raise failures[0]
     finally:
         for task in pumps:
             task.cancel()
