@@ -1,5 +1,6 @@
 """How the daemon's DP replicas share requests (servicer/replicas.py): pinned, by cached
-prefix, by load; no scheduler process (the clients are never started)."""
+prefix (the ranks' KV events, as the service's hubs keep them), by load; no scheduler process
+(the clients are never started)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from helpers import sample_model_info
 from scheduler.block_pool import hash_block, public_hash
 from scheduler.config import EngineConfig
 from scheduler.messages import KvCleared, KvEvents, KvRemoved, KvStored, LoadSnapshot
+from servicer.cached_blocks import CachedBlocks
 from servicer.replicas import AFFINITY_SLACK, Replicas, sum_loads
 from servicer.scheduler_client import _Route
 
@@ -20,6 +22,9 @@ def replicas(size: int = 2) -> Replicas:
     reps = Replicas(EngineConfig(model="unused", dp_size=size))
     for client in reps.ranks:
         client.model_info = sample_model_info(block_size=BS)
+    # As the service wires them (its hubs, which need the protos, follow a CachedBlocks each):
+    reps.cached = [CachedBlocks() for _ in range(size)]
+    reps.kv_event_listener = lambda msg, rank: reps.cached[rank].apply(msg.events)
     return reps
 
 
@@ -34,7 +39,8 @@ def stored_events(prompt: list[int]) -> KvEvents:
     events, parent = [], None
     for i in range(len(prompt) // BS):
         digest = hash_block(parent, prompt[i * BS : (i + 1) * BS])
-        events.append(KvStored(public_hash(digest), public_hash(parent) if parent else None, [], BS))
+        tokens = prompt[i * BS : (i + 1) * BS]
+        events.append(KvStored(public_hash(digest), public_hash(parent) if parent else None, tokens, BS))
         parent = digest
     return KvEvents(events, time.time())
 

@@ -11,10 +11,9 @@ A stream (:meth:`KvEventHub.stream`):
 
 * ``start_sequence_number`` 0: a snapshot of the blocks cached now (one batch, numbered
   like the last batch, whose state it holds; none while nothing is cached), then live. A
-  non-zero cursor inside the
-  history replays exactly the batches after it, then goes live; a cursor older than the
-  history, or beyond the last batch (e.g. from before a restart), is OUT_OF_RANGE and
-  the router resubscribes from 0.
+  non-zero cursor inside the history replays exactly the batches after it, then goes live;
+  a cursor older than the history, or beyond the last batch (e.g. from before a restart),
+  is OUT_OF_RANGE and the router resubscribes from 0.
 * Several DP ranks (``merged_rank_streams``): each rank's hub numbers its own batches;
   one stream carries them all, each batch naming its ``dp_rank``.
 * Every batch carries an ``EngineLoad`` record (from the scheduler's heartbeat snapshot).
@@ -43,6 +42,7 @@ import grpc
 
 from scheduler.messages import DisaggLoad, KvCleared, KvEvents, KvRemoved, KvStored
 
+from .cached_blocks import CachedBlocks, well_formed
 from .generated import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -106,10 +106,6 @@ def to_proto_events(events: list, event_ids) -> list[common_pb2.KvCacheEvent]:
         elif isinstance(ev, KvCleared):
             out.append(common_pb2.KvCacheEvent(event_id=next(event_ids), cleared=common_pb2.KvCacheCleared()))
     return out
-
-
-def well_formed(ev: KvStored) -> bool:
-    return ev.block_size > 0 and len(ev.token_ids) == ev.block_size and ev.block_hash != ev.parent_hash
 
 
 def batch_blocks(batch: common_pb2.KvEventBatch) -> int:
@@ -248,7 +244,7 @@ class KvEventHub:
         # from this run (numbers restart at 1 with the daemon), however many batches it published.
         self.sent_seq = 0
         self.subscribers: set[_Subscriber] = set()
-        self.live: dict[int, KvStored] = {}  # the blocks cached now, each after its parent (snapshot)
+        self.live = CachedBlocks()  # (a new subscriber's snapshot)
         self._event_ids = itertools.count(1)
         # The watcher's view of the load, and whom it wakes: every stream that sends load
         # records when the load changes; at its next check, also those whose last record
@@ -260,7 +256,7 @@ class KvEventHub:
 
     # -- publisher side (called from the client's read loop) ----------------------------
     def publish(self, msg: KvEvents) -> common_pb2.KvEventBatch | None:
-        self._track(msg.events)
+        self.live.apply(msg.events)
         events = to_proto_events(msg.events, self._event_ids)
         if not events:
             return None
@@ -279,22 +275,10 @@ class KvEventHub:
                 self.unsubscribe(sub)
         return batch
 
-    def _track(self, events: list) -> None:
-        for ev in events:
-            if isinstance(ev, KvStored):
-                if well_formed(ev):
-                    self.live.pop(ev.block_hash, None)  # (re-stored: after its parent again)
-                    self.live[ev.block_hash] = ev
-            elif isinstance(ev, KvRemoved):
-                for h in ev.block_hashes:
-                    self.live.pop(h, None)
-            elif isinstance(ev, KvCleared):
-                self.live.clear()
-
     def snapshot(self) -> common_pb2.KvEventBatch | None:
         """The blocks cached now, as one batch numbered like the last one (it stands for
         every batch up to it); None when none are."""
-        events = to_proto_events(list(self.live.values()), self._event_ids)
+        events = to_proto_events(self.live.blocks(), self._event_ids)
         if not events:
             return None
         return common_pb2.KvEventBatch(sequence_number=self.last_seq, timestamp=time.time(), events=events)

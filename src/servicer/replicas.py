@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Container
 
 import msgspec
 
 from scheduler.block_pool import hash_block, public_hash
 from scheduler.config import EngineConfig
-from scheduler.messages import AddRequest, ControlReply, KvCleared, KvEvents, KvRemoved, KvStored, LoadSnapshot
+from scheduler.messages import AddRequest, ControlReply, KvEvents, LoadSnapshot
 
 from .scheduler_client import Liveness, SchedulerClient, SchedulerUnavailable
 
@@ -41,8 +42,10 @@ class Replicas:
         self.ready = asyncio.Event()
         self.died = asyncio.Event()
         self.dead_reason: str | None = None
-        self.kv_event_listener = None  # called with (KvEvents, its rank or None with one rank)
-        self.cached: list[set[int]] = [set() for _ in range(self.size)]  # per rank: its cached blocks' hashes
+        self.kv_event_listener = None  # called with (KvEvents, its rank) for every rank's batches
+        # Per rank: the blocks it caches, as the service's KV event hubs follow them (fed by
+        # the listener); none until it says.
+        self.cached: list[Container[int]] = [() for _ in range(self.size)]
         self._owner: dict[str, int] = {}  # request id -> its rank, while a rank holds it
         self._turn = itertools.count()  # ties between equally loaded ranks go round
         self._watcher: asyncio.Task | None = None
@@ -231,17 +234,8 @@ class Replicas:
         )
 
     def _on_kv_events(self, rank: int, msg: KvEvents) -> None:
-        if self.size > 1:
-            cached = self.cached[rank]
-            for event in msg.events:
-                if isinstance(event, KvStored):
-                    cached.add(event.block_hash)
-                elif isinstance(event, KvRemoved):
-                    cached.difference_update(event.block_hashes)
-                elif isinstance(event, KvCleared):
-                    cached.clear()
         if self.kv_event_listener is not None:
-            self.kv_event_listener(msg, rank if self.size > 1 else None)
+            self.kv_event_listener(msg, rank)
 
 
 def sum_loads(loads: list[LoadSnapshot]) -> LoadSnapshot:

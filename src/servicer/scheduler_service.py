@@ -64,6 +64,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         self.kv_events = self.rank_hubs[0]
         self.peer_ranks: dict[str, int] = {}  # connection -> the DP rank its requests named
         client.kv_event_listener = self._publish_kv_events
+        client.cached = [hub.live for hub in self.rank_hubs]  # (where a request's prefix is cached)
 
     @property
     def info(self) -> ModelInfo:
@@ -366,8 +367,8 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
     async def Embed(self, request, context):
         await self._unimplemented(context, "Embed (this is a generation model)")
 
-    def _publish_kv_events(self, msg, rank: int | None = None) -> None:
-        (self.kv_events if rank is None else self.rank_hubs[rank]).publish(msg)
+    def _publish_kv_events(self, msg, rank: int = 0) -> None:
+        self.rank_hubs[rank].publish(msg)
 
     async def SubscribeKvEvents(self, request, context):
         """Prefix-cache events with load records, replayable by cursor (contract §8). With
