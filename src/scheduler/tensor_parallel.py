@@ -197,13 +197,6 @@ class Shard:
         return w[:]  # norms: every rank holds them whole
 
 
-def shard_state_dict(sd: dict[str, torch.Tensor], config: ModelConfig, rank: int, size: int) -> None:
-    """Cut an HF-named state dict down to rank ``rank``'s slices, in place."""
-    shard = Shard(config, rank, size)
-    for name in list(sd):
-        sd[name] = shard.take(name, sd[name]).contiguous()
-
-
 def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
     if w.shape[0] == rows:
         return w

@@ -76,15 +76,15 @@ class RemoteCommands:
         self.socket = self.ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.poller = zmq.Poller()
+        self.poller.register(self.socket, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
         self.socket.connect(address)
         self.socket.send(str(rank).encode())
 
     def recv(self) -> Command:
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
         while True:
-            ready = dict(poller.poll())
+            ready = dict(self.poller.poll())
             if self.socket in ready:
                 return pickle.loads(self.socket.recv())
             if self.monitor in ready:

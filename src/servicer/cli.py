@@ -335,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=e.dp_size,
         metavar="N",
         help="data parallelism: N engine replicas behind this one port, a scheduler process (and TP group) "
-        "each; a request goes to the rank its data_parallel_rank names, else to the least busy one; "
+        "each; a request goes to the rank its data_parallel_rank names, else to the one caching most of "
+        "its prompt unless it is much busier, else to the least busy one; "
         "the router's --dp-aware sees every rank as a worker (on accelerators each rank takes the next device)",
     )
     pd = p.add_argument_group(
