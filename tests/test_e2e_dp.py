@@ -15,7 +15,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from helpers import Daemon, Router, child_pids, install_sigterm_cleanup, wait_until
+from helpers import Daemon, Router, child_pids, http_get, install_sigterm_cleanup, wait_until
 
 DP = 2
 GREEDY = pb.SamplingParams(temperature=0.0, max_new_tokens=4)
@@ -143,6 +143,15 @@ def test_the_router_with_dp_aware_uses_every_rank(dp_daemon, tmp_path):
         assert "Paris" in chat(router, "What is the capital of France?")["choices"][0]["message"]["content"]
         for question in ["Name a colour.", "What is 2+2?", "Say hello.", "Name a fruit.", "Count to three."]:
             chat(router, question)
+        metrics = http_get(f"http://{router.host}:{router.prometheus_port}/metrics", timeout=10).text
+    # The router sent to both rank workers (its @1 requests name rank 1: pinning itself is
+    # checked over gRPC above), and both ranks generated.
+    sent = {
+        line.split("@", 1)[1][0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("smg_worker_requests_total{") and f":{dp_daemon.port}@" in line
+    }
+    assert sent.keys() == {"0", "1"} and all(n > 0 for n in sent.values()), sent
     with dp_daemon.channel() as ch:
         after = generated_per_rank(stub_of(ch))
     assert all(a > b for a, b in zip(after, before)), (before, after)
