@@ -202,7 +202,7 @@ def run_daemon(work, args, sampling: str = "greedy", dtype: str = "auto") -> dic
         cmd += ["--speculative-algorithm", args.speculative_algorithm]
     if args.threads:
         cmd += ["--num-threads", str(args.threads)]
-    cmd += getattr(args, "daemon_args", [])
+    cmd += args.daemon_args
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
@@ -421,6 +421,7 @@ def main() -> int:
         help="comma list of the workloads HF (the floor, and the slowest run) runs on: w64, c64 or none",
     )
     ap.add_argument("--json", default=None, help="write the numbers to this file")
+    ap.set_defaults(daemon_args=[])  # (more daemon flags: bench_dp.py's replicas)
     ap.add_argument("--plot", default=None, help="draw throughput, TTFT and ITL per run into this PNG (matplotlib)")
     ap.add_argument(
         "--repeat",
