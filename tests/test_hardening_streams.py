@@ -271,7 +271,9 @@ def test_e2e_idle_streams_cost_no_first_token_time_and_no_cpu(daemon, grpc_stub,
     as idle as without them (streams that polled would wake thousands of times a second)."""
     baseline = idle_streams["baseline"]
     n = len(idle_streams["kv"]) + len(idle_streams["watches"])
-    cpu = idle_cpu_s(daemon.proc.pid)
+    # The quietest of three windows: a stray collection or log line can land in one window,
+    # while streams that polled would fill every one.
+    cpu = min(idle_cpu_s(daemon.proc.pid) for _ in range(3))
     ttft = median_first_token_s(grpc_stub)
     assert cpu < 2 * baseline["idle_cpu_s"] + 0.1, f"{n} idle streams: {cpu:.2f} s of CPU in 2 s, baseline {baseline}"
     assert ttft < 3 * baseline["first_token_s"] + 1.0, f"{n} idle streams: first token {ttft:.3f} s, {baseline}"
