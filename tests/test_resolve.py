@@ -35,9 +35,9 @@ def test_cpu_defaults_come_from_the_table():
     assert rc.num_kv_blocks == 2**31 // (per_token * rc.block_size)  # the table's 2GiB
     assert rc.served_model_name == "smollm2" and rc.speculative_algorithm == "none"
     assert rc.max_queued_requests == 4 * row.max_running_requests
-    # nothing left undecided (no disaggregation is a decision: mode null)
+    # nothing left undecided (no disaggregation is a decision: mode null; no pooling: it generates)
     left = {f.name for f in dataclasses.fields(rc) if getattr(rc, f.name) in (None, "auto")}
-    assert left == {"disaggregation"}
+    assert left == {"disaggregation", "pooling"}
     with pytest.raises(dataclasses.FrozenInstanceError):
         rc.max_model_len = 1
 

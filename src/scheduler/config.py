@@ -69,6 +69,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     grammar_compile_timeout_s: float = 30.0  # a structured-output grammar compiling longer is refused
     constrained_json_any_whitespace: bool = False  # JSON constraints allow any whitespace (else compact JSON)
     served_model_name: str | None = None
+    # serve embeddings (Embed) rather than generations; also chosen by the checkpoint itself
+    # (a classifier, a sentence-transformers layout, a base model): scheduler/pooling.py
+    is_embedding: bool = False
     # StartProfile writes traces only inside this directory; None: SGLANG_TORCH_PROFILER_DIR, else off
     profile_dir: str | None = None
     profile_max_traces: int = PROFILE_MAX_TRACES  # traces kept under profile_dir; older ones are deleted

@@ -54,6 +54,7 @@ class Engine:
                 max_draft_tokens=rc.speculative_num_draft_tokens,
                 max_speculative_rows=rc.max_speculative_rows or None,
                 speculative_doubling_rows=rc.speculative_doubling_rows or None,
+                pooling=rc.pooling,
             ),
             self.kv,
             eos,
@@ -86,6 +87,14 @@ class Engine:
     def add_request(self, msg: AddRequest) -> Request:
         """Queue a request; raises AdmissionError for one that can never run."""
         self.scheduler.check_queue_room()  # first: under overload, refuse before any setup
+        if msg.embed != (self.config.pooling is not None):
+            raise AdmissionError(
+                "INVALID_ARGUMENT",
+                "this is a generation model: start the daemon with --is-embedding (or an embedding "
+                "checkpoint) to answer Embed"
+                if msg.embed
+                else "this is an embedding model: it answers Embed, not Generate",
+            )
         vocab = self.runner.model_config.vocab_size
         bad = out_of_vocabulary(msg.input_ids, vocab)  # (as the servicer: no path may reach the embedding with one)
         if bad is not None:
@@ -192,7 +201,8 @@ class Engine:
     def _complete(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Take a launched step's tokens, advance its requests, and make their outputs."""
         tokens = launched.result()
-        appended = self.scheduler.complete(launched.batch, tokens, launched.logprobs)
+        appended = self.scheduler.complete(launched.batch, tokens, launched.logprobs, launched.pooled)
+        self.stats.num_pooled_requests += len(launched.pooled)
         self.stats.num_generated_tokens += appended  # not the tokens of requests already done
         self.throughput.add(launched.launched_at, time.monotonic(), appended)
         outputs = [e.request.take_output() for e in launched.batch if not e.request.is_finished]
@@ -237,6 +247,7 @@ class Engine:
             "num_waiting_reqs": self.scheduler.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_generated_tokens": s.num_generated_tokens,
+            "num_pooled_requests": s.num_pooled_requests,
             "num_draft_tokens": self.scheduler.num_draft_tokens,
             "num_accepted_drafts": self.scheduler.num_accepted_drafts,
             "gen_throughput": self.load.gen_throughput,
@@ -254,21 +265,39 @@ class Engine:
         } | (self.disagg.stats_dict() if self.disagg is not None else {})
 
     # -- offline API -------------------------------------------------------------------
+    def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """An embedding model's vectors for prompts, batched as the daemon batches them; in
+        prompt order. All or none, as :meth:`generate`."""
+        ids = [f"offline-{next(self._offline_ids)}" for _ in prompts]
+        vectors: dict[str, list[float] | None] = {rid: None for rid in ids}
+        self._add_all(
+            [AddRequest(rid, list(p), SamplingParams(max_new_tokens=0), embed=True) for rid, p in zip(ids, prompts)]
+        )
+        while self.has_work():
+            for o in self.step().outputs:
+                if o.request_id in vectors and o.embedding is not None:
+                    vectors[o.request_id] = o.embedding
+        return [vectors[rid] for rid in ids]
+
+    def _add_all(self, messages: list[AddRequest]) -> None:
+        """Queue every message, or (AdmissionError) none."""
+        added = []
+        try:
+            for msg in messages:
+                self.add_request(msg)
+                added.append(msg.request_id)
+        except AdmissionError:
+            for rid in added:  # (their final outputs go with the next step's, unread)
+                self.abort(rid)
+            raise
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]) -> list[Completion]:
         """Run prompts to completion with continuous batching; results in prompt order.
         All or none: if one prompt is refused (AdmissionError), none stays queued."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         ids = [f"offline-{next(self._offline_ids)}" for _ in prompts]
         results = {rid: Completion(rid, list(p), [], None, 0, []) for rid, p in zip(ids, prompts)}
-        added = []
-        try:
-            for rid, prompt, sp in zip(ids, prompts, params):
-                self.add_request(AddRequest(rid, list(prompt), sp))
-                added.append(rid)
-        except AdmissionError:
-            for rid in added:  # (their final outputs go with the next step's, unread)
-                self.abort(rid)
-            raise
+        self._add_all([AddRequest(rid, list(prompt), sp) for rid, prompt, sp in zip(ids, prompts, params)])
         while self.has_work():
             out = self.step()
             now = time.perf_counter()

@@ -88,6 +88,7 @@ class AddRequest(msgspec.Struct, tag=True):
     sampling: SamplingParams
     cache_salt: str = ""  # requests share cached KV only when their salts are equal
     disagg: DisaggParams | None = None  # a PD leg (the daemon's --disaggregation-mode says which)
+    embed: bool = False  # an Embed: prefill only, answered with the pooled vector (embedding models)
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -177,6 +178,7 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
     error_code: str | None = None  # gRPC status name for `error`
     num_draft_tokens: int = 0  # speculative drafts verified so far, and of them kept
     num_accepted_drafts: int = 0
+    embedding: list[float] | None = None  # an embedding model's answer (a classifier's: its logits)
 
     @classmethod
     def refused(cls, msg: AddRequest, code: str, message: str) -> RequestOutput:
@@ -262,6 +264,9 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     disaggregation_mode: str = "null"  # "null" | "prefill" | "decode"
     disaggregation_bootstrap_port: int = 0  # where a prefill daemon's bootstrap server listens
     disaggregation_transfer_backend: str = ""  # "mooncake" in PD mode
+    is_generation: bool = True  # False: an embedding model, answering Embed only
+    embedding_dim: int = 0  # the length of its vectors (a classifier's: its label count)
+    labels: list[str] = []  # a classifier's, in logit order
 
 
 class EngineReady(msgspec.Struct, tag=True):

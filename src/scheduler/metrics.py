@@ -14,6 +14,7 @@ class EngineStats:
     max_batch_size: int = 0
     max_step_tokens: int = 0
     num_generated_tokens: int = 0
+    num_pooled_requests: int = 0  # an embedding model's requests answered
     batch_size_histogram: dict[int, int] = field(default_factory=dict)
 
     def record_step(self, batch_size: int, num_tokens: int) -> None:

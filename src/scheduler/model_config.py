@@ -61,6 +61,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # What sits on the last hidden state: "lm" (the LM head, a *ForCausalLM), "score" (a
+    # *ForSequenceClassification's head, one logit per label) or "none" (a bare *Model,
+    # or an embedding model that pools hidden states)
+    head: str = "lm"
+    labels: tuple[str, ...] = ()  # a classifier's, in logit order (its config's id2label)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -117,6 +122,11 @@ class ModelConfig:
                 "sliding_attention" not in layer_types and cfg.get("max_window_layers", layers) >= layers
             ):
                 window = None
+        head, labels = "lm", ()
+        if architecture.endswith("ForSequenceClassification"):
+            head, labels = "score", _labels(cfg)
+        elif architecture.endswith("Model"):  # (a base model's checkpoint: no head at all)
+            head = "none"
         return cls(
             architecture=architecture,
             model_type=model_type,
@@ -142,6 +152,8 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
+            head=head,
+            labels=labels,
         )
 
     @classmethod
@@ -218,6 +230,14 @@ class ModelConfig:
             eos_token_id=(eos[0] if len(eos) == 1 else eos) if eos else None,
             pad_token_id=field("tokenizer.ggml.padding_token_id"),
         )
+
+
+def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """A classifier's label names by logit index: its id2label (keys are strings in
+    config.json), ``LABEL_i`` where it names none (HF's default, two labels when unsaid)."""
+    id2label = {str(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
+    count = cfg.get("num_labels") or len(id2label) or 2
+    return tuple(id2label.get(str(i), f"LABEL_{i}") for i in range(count))
 
 
 def _granite_scalars(cfg: dict[str, Any]) -> dict[str, float]:

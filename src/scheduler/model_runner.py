@@ -9,6 +9,7 @@ go through the LM head.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import logging
 import time
@@ -28,6 +29,7 @@ from .device import cpu_has_bf16, synchronize
 from .model_config import ModelConfig
 from .model_source import resolve_model
 from .models import build_model
+from .pooling import Pooler, PoolingSpec, detect_pooling
 from .resolve import Platform, resolve, resolve_platform
 from .sampling_batch import BatchSampler, StepLogprobs
 from .scheduler import ScheduledBatch
@@ -62,11 +64,13 @@ class LaunchedStep:
         download: Download | None,
         logprobs: StepLogprobs | None = None,
         launched_at: float = 0.0,
+        pooled: list | None = None,
     ):
         self.batch = batch
         self.download = download
         self.logprobs = logprobs  # prompt and output logprob rows, recorded with the tokens
         self.launched_at = launched_at  # monotonic (the engine's throughput spans from it)
+        self.pooled = pooled or []  # an embedding model's: (request, its vector) per prompt finished
         self._tokens: list[int] | None = None if download is not None else []
 
     @property
@@ -86,6 +90,7 @@ class LoadedModel:
     config: ModelConfig  # the whole model's
     model: torch.nn.Module
     shard: ModelConfig | None = None  # under tensor parallelism: this rank's share of it
+    pooling: PoolingSpec | None = None  # an embedding model's (None: a generation model)
 
 
 def load_model(config: EngineConfig, tp: TpGroup | None = None) -> LoadedModel:
@@ -98,6 +103,9 @@ def load_model(config: EngineConfig, tp: TpGroup | None = None) -> LoadedModel:
     started = time.perf_counter()
     logger.info("loading %s onto %s (%s)", path, device, str(dtype).removeprefix("torch."))
     model_config, state_dict = load_checkpoint(path, dtype, (tp.rank, tp.size) if tp is not None else None)
+    pooling = detect_pooling(path, model_config, config.is_embedding)
+    if pooling is not None and model_config.head == "lm":  # (pooled hidden states need no LM head)
+        model_config = dataclasses.replace(model_config, head="none")
     shard = tensor_parallel.shard_config(model_config, tp.size) if tp is not None else None
     model = build_model(shard or model_config, dtype=dtype, tp=tp)
     model.load_weights(state_dict)  # (consumes it)
@@ -109,7 +117,7 @@ def load_model(config: EngineConfig, tp: TpGroup | None = None) -> LoadedModel:
         sum(p.numel() for p in model.parameters()) / 1e6,
         time.perf_counter() - started,
     )
-    return LoadedModel(path, model_config, model, shard)
+    return LoadedModel(path, model_config, model, shard, pooling)
 
 
 def _configure_cpu(platform: Platform) -> None:
@@ -141,8 +149,9 @@ class ModelRunner:
         loaded = loaded or load_model(config, tp)
         self.model_path, self.model_config, self.model = loaded.path, loaded.config, loaded.model
         self.layer_config = loaded.shard or loaded.config  # the layers this rank runs (its KV heads)
-        packed = self.model.lm_head.packed_weight is not None  # (by an earlier runner sharing the model)
-        self.config = rc = resolve(config, self.layer_config, self.weight_bytes, packed, platform)
+        # (packed by an earlier runner sharing the model)
+        packed = self.model.model.layers[0].self_attn.qkv_proj.packed_weight is not None
+        self.config = rc = resolve(config, self.layer_config, self.weight_bytes, packed, platform, loaded.pooling)
         rc.log()
         if tp is not None and config.nnodes == 1:  # (a step's activations at most; one host's ranks)
             tp.use_shared_memory(rc.max_num_batched_tokens * self.model_config.hidden_size)
@@ -168,10 +177,16 @@ class ModelRunner:
             upload=self.upload,
         )
         self.backend.prepare_model(self.model)
-        lm_head = functools.partial(self.model.compute_logits, self.backend) if tp is None else self._tp_logits
-        self.sampler = BatchSampler(
-            lm_head, self.device, self.generator, self.model_config.vocab_size, self.upload, rc.fused_sampling
-        )
+        self.sampler = self.pooler = None  # a generation model samples, an embedding model pools
+        if rc.pooling is not None:
+            spec = rc.pooling
+            score = functools.partial(self.model.compute_scores, self.backend) if spec.classifies else None
+            self.pooler = Pooler(spec, score)
+        else:
+            lm_head = functools.partial(self.model.compute_logits, self.backend) if tp is None else self._tp_logits
+            self.sampler = BatchSampler(
+                lm_head, self.device, self.generator, self.model_config.vocab_size, self.upload, rc.fused_sampling
+            )
         self.graphs = None
         if rc.compile_kernels:
             self.compile_kernels()
@@ -206,7 +221,8 @@ class ModelRunner:
             meta.slot_mapping.fill_(-1)
             ids = torch.zeros(sum(query_lens), dtype=torch.int64, device=self.device)
             hidden = self.model(self.backend, ids, self.kv_caches, meta)
-        self.sampler.compile_kernels(hidden)
+        if self.sampler is not None:
+            self.sampler.compile_kernels(hidden)
         synchronize(self.device)
 
     # -- KV cache --------------------------------------------------------------------
@@ -277,6 +293,8 @@ class ModelRunner:
             if self.workers is not None:  # the other ranks run the same step on their shards
                 self.workers.send(Command("forward", (input_ids, query_lens, seq_lens, tables)))
             hidden = self.forward(input_ids, query_lens, seq_lens, tables, patch)
+        if self.pooler is not None:  # an embedding model: the finished prompts' vectors
+            return LaunchedStep(batch, None, launched_at=launched_at, pooled=self.pooler.pool(batch, hidden))
         # LM head on the sampling rows (and prompt-logprob rows), sampling, logprobs.
         sampling = batch.sampling_rows
         tokens, logprobs = self.sampler.run(batch, hidden, sample_rows, sampling)

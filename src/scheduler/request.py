@@ -13,8 +13,12 @@ completes that step and appends it. ``token_ids`` only ever holds known tokens.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from .messages import CONSTRAINT_FAILED, LogprobLists, LogprobRows, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from .pooling import PoolingSpec
 
 
 class Status(enum.Enum):
@@ -33,6 +37,7 @@ class Request:
         eos_token_ids: frozenset[int],
         hash_extra: bytes = b"",
         stop_checker=None,
+        pooling: PoolingSpec | None = None,
     ):
         self.request_id = request_id
         self.token_ids = list(prompt_ids)  # prompt, then outputs
@@ -58,6 +63,10 @@ class Request:
         self.matched_stop_str: str | None = None
         self.num_visible_outputs: int | None = None  # set when a matched stop string is trimmed
         self.stop_checker = stop_checker  # StopStringChecker, when stop strings are sent
+        # An embedding model's request: prefill only, then its pooled vector (pooling.py)
+        self.pooling = pooling
+        self.pool_state = None  # owned by the pooler (what it accumulated over the prompt's chunks)
+        self.embedding: list[float] | None = None
         self.sampler_state = None  # owned by the sampler (seeded generator, token-id buffer)
         self.grammar = None  # xgrammar GrammarMatcher (structured output), set on release from hold
         self.holds: set[str] = set()  # what a held request still waits for (Scheduler.release_held)
@@ -142,6 +151,8 @@ class Request:
     @property
     def prefix_cache_limit(self) -> int | None:
         """At most this many leading tokens may come from the prefix cache (None: no limit)."""
+        if self.pooling is not None and self.pooling.reads_every_row:
+            return 0
         return self.input_logprob_next if self.needs_input_logprobs else None
 
     @property
@@ -217,6 +228,7 @@ class Request:
         )
         if self.error is not None:
             out.error_code, out.error = self.error
+        out.embedding = self.embedding
         if self.output_logprobs is not None and new:
             out.output_logprobs = self.output_logprobs.rows(start, start + len(new), new)
         elif self.next_token_ids_logprobs is not None and final:

@@ -22,6 +22,7 @@ from .config import DEVICE_DEFAULTS, DeviceDefaults, DisaggregationConfig, Engin
 from .cuda_graphs import capture_sizes
 from .device import cpu_has_bf16, free_memory_bytes, rank_device, resolve_device, resolve_dtype
 from .model_config import ModelConfig
+from .pooling import PoolingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class ResolvedConfig:
     served_model_name: str
     disaggregation: DisaggregationConfig | None = None  # None: mode null
     tp_size: int = 1
+    pooling: PoolingSpec | None = None  # an embedding model's (pooling.py); None: it generates
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -112,12 +114,20 @@ def _max_queued_requests(asked: int | None, running: int) -> int:
 
 
 def resolve(
-    config: EngineConfig, model: ModelConfig, weight_bytes: int, packed: bool = False, platform: Platform | None = None
+    config: EngineConfig,
+    model: ModelConfig,
+    weight_bytes: int,
+    packed: bool = False,
+    platform: Platform | None = None,
+    pooling: PoolingSpec | None = None,
 ) -> ResolvedConfig:
     """Decide every option (after the weights are loaded: the KV cache takes what memory they
     leave); raises ValueError for a combination that cannot run here. ``packed``: the model
-    already carries packed CPU weights (shared with an earlier runner), kept unless refused."""
+    already carries packed CPU weights (shared with an earlier runner), kept unless refused.
+    ``pooling``: the model embeds (it was detected from the checkpoint, pooling.py)."""
     platform = platform or resolve_platform(config)
+    if pooling is not None:
+        _check_embedding(config)
     device, dtype, backend = platform.device, platform.dtype, platform.kernel_backend
     defaults = _defaults(device)
     max_model_len = _context_limit(config.max_model_len, model)
@@ -126,7 +136,8 @@ def resolve(
     budget = config.max_num_batched_tokens or defaults.max_num_batched_tokens
     threshold = config.long_prefill_token_threshold
     speculative = _speculative_algorithm(config)
-    cuda_graph = config.cuda_graph and defaults.cuda_graph and backend == "triton"
+    # (an embedding model's steps are prefills, which graphs do not replay)
+    cuda_graph = config.cuda_graph and defaults.cuda_graph and backend == "triton" and pooling is None
     kv_bytes = (num_kv_blocks * config.block_size) * _bytes_per_token(model, dtype)
     resolved = ResolvedConfig(
         device=device,
@@ -147,7 +158,7 @@ def resolve(
         max_num_batched_tokens=budget,
         long_prefill_token_threshold=budget // 2 if threshold is None else threshold,
         enable_prefix_caching=config.enable_prefix_caching,
-        overlap_schedule=_overlap_schedule(config, defaults, speculative),
+        overlap_schedule=_overlap_schedule(config, defaults, speculative) and pooling is None,
         speculative_algorithm=speculative,
         speculative_num_draft_tokens=config.speculative_num_draft_tokens if speculative != "none" else 0,
         speculative_doubling_rows=defaults.speculative_doubling_rows.get(str(dtype).removeprefix("torch."), 0),
@@ -159,7 +170,10 @@ def resolve(
         served_model_name=config.served_model_name or config.model,
         disaggregation=config.disaggregation,
         tp_size=config.tp_size,
+        pooling=pooling,
     )
+    if pooling is not None:
+        logger.info("serving embeddings: %s", pooling.describe())
     if resolved.kv_capacity_tokens < max_model_len:
         flag = "--kv-cache-tokens" if config.kv_cache_tokens is not None else "--kv-cache-memory"
         logger.warning(
@@ -174,6 +188,17 @@ def resolve(
 
 def _defaults(device: torch.device) -> DeviceDefaults:
     return DEVICE_DEFAULTS.get(device.type, DEVICE_DEFAULTS["npu"])  # (other accelerators: as NPUs)
+
+
+def _check_embedding(config: EngineConfig) -> None:
+    """What an embedding model cannot run with: its requests end with their prefill, so there
+    is nothing to speculate, overlap or hand to a decode daemon."""
+    if config.speculative_algorithm:
+        raise ValueError("speculative decoding does not apply to an embedding model (it generates no tokens)")
+    if config.overlap_schedule:
+        raise ValueError("--overlap-schedule on does not apply to an embedding model (it generates no tokens)")
+    if config.disaggregation is not None:
+        raise ValueError("prefill/decode disaggregation does not apply to an embedding model (it has no decode)")
 
 
 def _kernel_backend(config: EngineConfig, device: torch.device, defaults: DeviceDefaults) -> str:

@@ -28,6 +28,7 @@ from .ngram import NgramDrafter
 from .request import Request, Status
 
 if TYPE_CHECKING:
+    from .pooling import PoolingSpec
     from .sampling_batch import StepLogprobs
 
 
@@ -107,6 +108,8 @@ class SchedulerConfig:
     # decode rows at which a step's per-row cost equals its fixed cost: past a few rows, a
     # request drafts only while it keeps enough of its drafts (NgramDrafter.pays); None: always
     speculative_doubling_rows: int | None = None
+    # an embedding model's: every request is prefill only, then pooled
+    pooling: PoolingSpec | None = None
 
 
 class Scheduler:
@@ -146,7 +149,9 @@ class Scheduler:
         limit = self.config.max_model_len
         if n == 0:
             raise AdmissionError("INVALID_ARGUMENT", "the prompt is empty")
-        if n >= limit:
+        if msg.embed and n > limit:  # (an embedding's input may fill the context: nothing follows it)
+            raise AdmissionError("INVALID_ARGUMENT", f"the input has {n} tokens; the context limit is {limit}")
+        if n >= limit and not msg.embed:
             raise AdmissionError(
                 "INVALID_ARGUMENT", f"the prompt has {n} tokens; the context limit is {limit} (prompt must be shorter)"
             )
@@ -172,7 +177,10 @@ class Scheduler:
             )
         self.check_queue_room()
         extra = msg.cache_salt.encode()
-        req = Request(msg.request_id, msg.input_ids, msg.sampling, max_new, self.eos_token_ids, extra, stop_checker)
+        pooling = self.config.pooling if msg.embed else None
+        req = Request(
+            msg.request_id, msg.input_ids, msg.sampling, max_new, self.eos_token_ids, extra, stop_checker, pooling
+        )
         self.requests[req.request_id] = req
         if holds:
             req.holds = set(holds)
@@ -274,9 +282,12 @@ class Scheduler:
         # Single-token chunks (decodes, and prefills cut to one token) and speculating
         # decodes (one row per token) first: the attention path batches them as decodes.
         scheduled.sort(key=lambda e: e.num_new_tokens != 1 and not e.request.draft_ids)
-        for e in scheduled:
+        for e in scheduled:  # (an embedding's last chunk pools instead: pooling.py)
             r = e.request
-            e.samples = r.num_computed_tokens + e.num_new_tokens - len(r.draft_ids) == r.num_tokens_with_pending
+            e.samples = (
+                r.num_computed_tokens + e.num_new_tokens - len(r.draft_ids) == r.num_tokens_with_pending
+                and r.pooling is None
+            )
         return ScheduledBatch(scheduled)
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], budget: int, cap: int) -> tuple[int, bool]:
@@ -384,12 +395,19 @@ class Scheduler:
                 req.num_pending += 1
                 row += 1 + len(req.draft_ids)
 
-    def complete(self, batch: ScheduledBatch, sampled: list[int], logprobs: StepLogprobs | None = None) -> int:
+    def complete(
+        self,
+        batch: ScheduledBatch,
+        sampled: list[int],
+        logprobs: StepLogprobs | None = None,
+        pooled: list[tuple[Request, list[float]]] = (),
+    ) -> int:
         """When a launched step's tokens reach the host: append them (one per sampling
         request, in order, with the logprobs of those that asked), index the newly full KV
         blocks and retire finished requests. Requests that finished meanwhile (aborted, or
         stopped by the previous step's token while this step was in flight) drop their
-        token. Returns how many were appended."""
+        token. ``pooled``: the embeddings whose prompts the step finished, which end with
+        their vectors. Returns how many tokens were appended."""
         if logprobs is not None:
             for req, row in logprobs.prompt:
                 req.input_logprobs.append(*row)
@@ -424,6 +442,12 @@ class Scheduler:
         for e in batch:
             if not e.request.is_finished:
                 self.kv.commit(e.request)
+        for req, vector in pooled:
+            if not req.is_finished:  # (its full blocks were just committed: a later prompt may hit them)
+                req.embedding = vector
+                req.finish("stop")
+                self.running.remove(req)
+                self._retire(req)
         return appended
 
     def take_finished(self) -> list[Request]:

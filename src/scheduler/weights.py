@@ -74,12 +74,18 @@ def load_hf_safetensors(path: str, shard=None) -> dict[str, torch.Tensor]:
     state_dict: dict[str, torch.Tensor] = {}
     for name in files:
         if shard is None:
-            state_dict.update(load_file(os.path.join(path, name)))
+            state_dict.update((_full_name(k), w) for k, w in load_file(os.path.join(path, name)).items())
             continue
         with safe_open(os.path.join(path, name), framework="pt") as f:
             for key in f.keys():
-                state_dict[key] = shard.take(key, f.get_slice(key)).contiguous()
+                state_dict[_full_name(key)] = shard.take(_full_name(key), f.get_slice(key)).contiguous()
     return state_dict
+
+
+def _full_name(key: str) -> str:
+    """A base model's checkpoint (``*Model``: embedding models such as e5-mistral) names its
+    tensors without the ``model.`` prefix its task models put before them."""
+    return key if key.startswith(("model.", "lm_head.", "score.")) else f"model.{key}"
 
 
 # -- GGUF -------------------------------------------------------------------------------

@@ -7,14 +7,13 @@ import torch
 from ..model_config import ModelConfig
 from .llama import LlamaForCausalLM
 
-# One decoder class covers these; the differences are ModelConfig flags.
+# One decoder class covers these; the differences are ModelConfig flags (ModelConfig.head:
+# the LM head, a classifier's score head, or none for a base model's hidden states).
 MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-    "GraniteForCausalLM": LlamaForCausalLM,
-}
+    f"{family}{kind}": LlamaForCausalLM
+    for family in ("Llama", "Mistral", "Qwen2", "Qwen3")
+    for kind in ("ForCausalLM", "Model", "ForSequenceClassification")
+} | {"GraniteForCausalLM": LlamaForCausalLM}
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype | None = None, tp=None) -> torch.nn.Module:

@@ -1,4 +1,5 @@
-"""Llama-family decoder over the paged KV cache: Llama 2/3, Mistral, Qwen2, Qwen3.
+"""Llama-family decoder over the paged KV cache: Llama 2/3, Mistral, Qwen2, Qwen3 (their
+causal LMs, and as embedding models or classifiers: ``ModelConfig.head``).
 
 The batch is flattened to ``T`` tokens (no padding, no batch dim); attention finds each
 request's keys through the kernel backend's metadata. q/k/v and gate/up are fused into one
@@ -138,9 +139,13 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.vocab_rows = config.vocab_size if tp is None else cdiv(config.vocab_size, tp.size)
         self.model = LlamaModel(config, dtype, self.vocab_rows, tp)
-        self.lm_head = _linear(config.hidden_size, self.vocab_rows, False, dtype)
-        if config.tie_word_embeddings:  # one parameter, loaded as the embedding
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = self.score = None
+        if config.head == "lm":
+            self.lm_head = _linear(config.hidden_size, self.vocab_rows, False, dtype)
+            if config.tie_word_embeddings:  # one parameter, loaded as the embedding
+                self.lm_head.weight = self.model.embed_tokens.weight
+        elif config.head == "score":  # a classifier's (whole on every rank: it is small)
+            self.score = _linear(config.hidden_size, len(config.labels), False, dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -168,6 +173,10 @@ class LlamaForCausalLM(nn.Module):
         this rank's columns of the vocabulary)."""
         return ops.project(hidden, self.lm_head)
 
+    def compute_scores(self, ops: TorchBackend, hidden: torch.Tensor) -> torch.Tensor:
+        """A classifier's head over pooled rows: ``[N, hidden] -> [N, labels]``."""
+        return ops.project(hidden, self.score)
+
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Take an HF-named state dict, fusing q/k/v and gate/up; strict on names and shapes.
@@ -177,6 +186,8 @@ class LlamaForCausalLM(nn.Module):
         sd = state_dict
         for name in [k for k in sd if k.endswith("rotary_emb.inv_freq")]:
             del sd[name]
+        if self.lm_head is None:  # (an embedding model served from a causal LM's checkpoint)
+            sd.pop("lm_head.weight", None)
         head = sd.pop("lm_head.weight", None) if self.config.tie_word_embeddings else None
         if head is not None and not torch.equal(head, sd.get("model.embed_tokens.weight", head)):
             # (some tied checkpoints store the copy anyway; a different one is ambiguous)
@@ -215,5 +226,5 @@ class LlamaForCausalLM(nn.Module):
                     for p in (proj.weight, proj.bias):
                         if p is not None:
                             p.data = p.data * c.residual_multiplier
-        if c.logits_scaling != 1.0:
+        if c.logits_scaling != 1.0 and self.lm_head is not None:  # (pooled hidden states stay unscaled)
             self.model.norm.weight.data = self.model.norm.weight.data / c.logits_scaling
