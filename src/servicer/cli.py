@@ -75,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=e.served_model_name,
         help="model id the router shows to clients (default: the --model value as given)",
     )
+    p.add_argument(
+        "--is-embedding",
+        action="store_true",
+        default=e.is_embedding,
+        help="serve the model's embeddings (the Embed RPC; /v1/embeddings behind the router), its last token's "
+        "hidden state L2-normalised; classifiers (*ForSequenceClassification), sentence-transformers layouts "
+        "and base models (*Model) are served this way without it, pooled as their checkpoint says",
+    )
     p.add_argument("--host", default=srv.host, help="address to bind the gRPC server to")
     p.add_argument("--port", type=_number(int, 0, 65535), default=srv.port, help="gRPC port")
     p.add_argument(

@@ -250,3 +250,33 @@ def to_add_request(request, model_info: ModelInfo) -> AddRequest:
     if sp.HasField("custom_params") and "cache_salt" in sp.custom_params.fields:
         salt = sp.custom_params.fields["cache_salt"].string_value
     return AddRequest(request.request_id, input_ids, sampling, cache_salt=salt, disagg=disagg)
+
+
+def to_embed_request(request, model_info: ModelInfo) -> AddRequest:
+    """Validate an EmbedRequest against the embedding model and build the scheduler message
+    (prefill only: the answer is the pooled vector)."""
+    check_request_id(request.request_id)
+    unsupported = {
+        "mm_inputs": request.HasField("mm_inputs"),
+        "token_type_ids": len(request.token_type_ids) > 0,
+        "is_cross_encoder": request.is_cross_encoder,
+        "texts": len(request.texts) > 0,
+    }
+    for name, present in unsupported.items():
+        if present:
+            raise InvalidRequest(f"{name} is not supported by this server (one tokenized text per Embed)")
+    num_ids = len(request.tokenized.input_ids)
+    if not num_ids:
+        raise InvalidRequest("the input is empty (tokenized.input_ids has 0 tokens)")
+    limit = model_info.max_context_length
+    if num_ids > limit:
+        raise InvalidRequest(f"the input has {num_ids} tokens; the context limit is {limit}")
+    if num_ids > model_info.max_total_num_tokens:
+        raise InvalidRequest(
+            f"the input has {num_ids} tokens; the KV cache holds {model_info.max_total_num_tokens} tokens in all"
+        )
+    input_ids = list(request.tokenized.input_ids)
+    bad = out_of_vocabulary(input_ids, model_info.vocab_size)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {model_info.vocab_size})")
+    return AddRequest(request.request_id, input_ids, SamplingParams(max_new_tokens=0), embed=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import importlib.metadata
+import json
 import logging
 import math
 import time
@@ -23,7 +24,7 @@ from .generated import sglang_scheduler_pb2_grpc as pb_grpc
 from .health import HealthState
 from .kv_events import KvEventHub, disaggregation_metrics, merged_rank_streams
 from .replicas import Replicas
-from .request_conversion import MAX_SEED, InvalidRequest, check_request_id, to_add_request
+from .request_conversion import MAX_SEED, InvalidRequest, check_request_id, to_add_request, to_embed_request
 from .scheduler_client import SchedulerUnavailable
 from .tokenizer_bundle import UnshippableFile, build_bundle, chunks
 
@@ -82,6 +83,11 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
     async def Generate(self, request, context):
         await self._require_ready(context)
         self.last_receive_time = time.time()
+        if not self.info.is_generation:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "this daemon serves an embedding model: it answers Embed (/v1/embeddings, /v1/classify), not Generate",
+            )
         try:
             base = to_add_request(request, self.info)
         except InvalidRequest as e:
@@ -219,7 +225,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         return pb.GetModelInfoResponse(
             model_path=i.model_path,
             tokenizer_path=i.tokenizer_path,
-            is_generation=True,
+            is_generation=i.is_generation,
             served_model_name=i.served_model_name,
             max_context_length=i.max_context_length,
             vocab_size=i.vocab_size,
@@ -230,6 +236,9 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             bos_token_id=i.bos_token_id,
             max_req_input_len=min(i.max_context_length, i.max_total_num_tokens) - 1,
             architectures=i.architectures,
+            # a classifier's labels, as HF's config.json writes id2label (the router names its answers so)
+            id2label_json=json.dumps({str(k): label for k, label in enumerate(i.labels)}) if i.labels else "",
+            num_labels=len(i.labels),
         )
 
     def server_args(self) -> dict:
@@ -250,7 +259,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             "page_size": i.block_size,
             "device": i.device,
             "dtype": i.dtype,
-            "is_embedding": False,
+            "is_embedding": not i.is_generation,
             "vocab_size": i.vocab_size,
             "disaggregation_mode": i.disaggregation_mode,
             "disaggregation_transfer_backend": i.disaggregation_transfer_backend,
@@ -364,8 +373,51 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
     async def _unimplemented(self, context, what: str):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"this server does not support {what}")
 
+    # -- Embed -------------------------------------------------------------------------
     async def Embed(self, request, context):
-        await self._unimplemented(context, "Embed (this is a generation model)")
+        """An embedding model's vector for one tokenized text (a classifier's: its logits),
+        computed in the continuous batch as a prefill-only request."""
+        await self._require_ready(context)
+        self.last_receive_time = time.time()
+        if self.info.is_generation:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "this daemon serves a generation model: start it with --is-embedding (or an embedding "
+                "checkpoint) to answer Embed",
+            )
+        try:
+            msg = to_embed_request(request, self.info)
+        except InvalidRequest as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        rid = msg.request_id
+        if rid in self.children or self.client.has_request(rid):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+        wanted = request.data_parallel_rank or None  # (a plain int32: 0 is also "unset")
+        if wanted is not None and not 0 <= wanted < self.client.size:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"data_parallel_rank {wanted} does not exist (dp_size {self.client.size})",
+            )
+        queue: asyncio.Queue = asyncio.Queue()
+        self.children[rid] = [rid]  # (Abort finds it)
+        try:
+            self.client.submit(msg, queue, self.client.pick_rank(wanted, msg.input_ids, ""))
+            while True:
+                out = await queue.get()
+                if isinstance(out, Exception):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {out}")
+                if out.error is not None:
+                    await _abort_with_error(context, out.error_code, out.error)
+                if out.finish_reason is None:
+                    continue
+                if out.embedding is None:  # ended by an Abort
+                    await context.abort(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
+                return pb.EmbedResponse(
+                    embedding=out.embedding, embedding_dim=len(out.embedding), prompt_tokens=out.num_prompt_tokens
+                )
+        finally:  # a caller gone (or an error) aborts it: its KV is freed now
+            self.client.cancel(rid, "client cancelled")
+            self.children.pop(rid, None)
 
     def _publish_kv_events(self, msg, rank: int = 0) -> None:
         self.rank_hubs[rank].publish(msg)

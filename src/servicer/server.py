@@ -68,8 +68,8 @@ class StartupError(Exception):
 
 
 async def warm_up(client: Replicas, timeout: float = 120.0) -> None:
-    """One real greedy generation through the whole engine (on every replica) before we say
-    SERVING."""
+    """One real request through the whole engine (a greedy generation, or an embedding model's
+    vector; on every replica) before we say SERVING."""
     await asyncio.gather(*(_warm_up_rank(client, rank, timeout) for rank in range(client.size)))
 
 
@@ -79,8 +79,11 @@ async def _warm_up_rank(client: Replicas, rank: int, timeout: float) -> None:
     context = client.model_info.max_context_length
     # (fits whatever --max-model-len says, and any vocabulary)
     prompt = [t % client.model_info.vocab_size for t in WARMUP_PROMPT[: max(1, context - 2)]]
-    max_new = max(1, min(8, context - len(prompt)))
-    request = AddRequest(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=max_new))
+    if client.model_info.is_generation:
+        max_new = max(1, min(8, context - len(prompt)))
+        request = AddRequest(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=max_new))
+    else:  # an embedding model answers Embed only
+        request = AddRequest(rid, prompt, SamplingParams(max_new_tokens=0), embed=True)
     client.submit(request, queue, rank=rank)
 
     async def finished() -> None:
