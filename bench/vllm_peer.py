@@ -74,18 +74,38 @@ def run_vllm(work, args, dtype: str = "float32", single: bool = True, suffix: st
         ),
         "jobs": [{"key": key, "prompts": [p for p, _ in w], "out_lens": [n for _, n in w]} for key, w, _ in jobs],
     }
-    python = venv_python()
-    with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:
-        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
-        script = os.path.join(ROOT, "bench", "vllm_run.py")
-        subprocess.run([python, script, spec_path, out_path], env=environment(args.threads), check=True, cwd=tmp)
-        with open(out_path) as f:
-            out = json.load(f)
+    out = run_spec(spec, args.threads)
     results = {}
     for key, _, name in jobs:
         job = out["jobs"][key]
         results[key] = summarize(name, job["wall_s"], [tuple(r) for r in job["per_request"]])
         results[key]["version"] = out["version"]
     return results
+
+
+def run_spec(spec: dict, threads: int) -> dict:
+    """vllm_run.py on ``spec`` in the peer's venv: its OUT document."""
+    python = venv_python()
+    with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:
+        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        script = os.path.join(ROOT, "bench", "vllm_run.py")
+        subprocess.run([python, script, spec_path, out_path], env=environment(threads), check=True, cwd=tmp)
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def run_vllm_embed(prompts: list[list[int]], model: str, threads: int, max_model_len: int) -> dict:
+    """vLLM's pooling runner (``LLM.embed``, its defaults: last token, normalised) on the
+    prompts: {"wall_s", "embeddings", "version"}."""
+    spec = {
+        "model": hf_checkpoint(model),
+        "dtype": "float32",
+        "runner": "pooling",
+        "max_num_seqs": MAX_NUM_SEQS,
+        "max_model_len": max_model_len,
+        "jobs": [{"key": "embed", "prompts": prompts}],
+    }
+    out = run_spec(spec, threads)
+    return out["jobs"]["embed"] | {"version": out["version"]}

@@ -3,12 +3,14 @@
     .vllm-venv/bin/python bench/vllm_run.py SPEC.json OUT.json
 
 SPEC: {"model": HF dir, "dtype": ..., "max_num_seqs": ..., "max_model_len": ...,
-       "speculative": null or {"method": "ngram", ...},
+       "speculative": null or {"method": "ngram", ...}, "runner": "generate" (default) | "pooling",
        "jobs": [{"key": ..., "prompts": [[ids]], "out_lens": [n]}]}
 OUT:  {"version": vLLM's, "jobs": {key: {"wall_s": ..., "per_request": [[first, last, n]]}}}
 with first and last token times in seconds after the job's t0 (all its requests submitted
 at once). They are vLLM's engine-core step timestamps (RequestOutput.metrics, kept when log
 stats are on): when each step's tokens were sampled, as our engine's token times are.
+With runner "pooling" each job embeds its prompts (``LLM.embed``; no out_lens) and gives
+{"wall_s": ..., "embeddings": [[floats]]} instead.
 
 The caller sets the VLLM_CPU_* environment. Imports nothing of the project: this is another
 interpreter with its own torch and transformers.
@@ -45,6 +47,15 @@ def run_job(llm, job: dict) -> dict:
     return {"wall_s": wall, "per_request": per_request}
 
 
+def run_embed_job(llm, job: dict) -> dict:
+    prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
+    llm.reset_prefix_cache()
+    t0 = time.monotonic()
+    outputs = llm.embed(prompts, use_tqdm=False)
+    wall = time.monotonic() - t0
+    return {"wall_s": wall, "embeddings": [list(out.outputs.embedding) for out in outputs]}
+
+
 def main() -> int:
     import vllm
     from vllm import LLM
@@ -55,6 +66,9 @@ def main() -> int:
     kwargs = {}
     if spec.get("speculative"):
         kwargs["speculative_config"] = spec["speculative"]
+    pooling = spec.get("runner") == "pooling"
+    if pooling:
+        kwargs["runner"] = "pooling"
     llm = LLM(
         model=spec["model"],
         dtype=spec["dtype"],
@@ -64,10 +78,11 @@ def main() -> int:
         seed=0,
         **kwargs,
     )
-    run_job(llm, {"prompts": [[1, 2, 3, 4]], "out_lens": [4]})  # warm-up
+    run = run_embed_job if pooling else run_job
+    run(llm, {"prompts": [[1, 2, 3, 4]], "out_lens": [4]})  # warm-up
     results = {}
     for job in spec["jobs"]:
-        results[job["key"]] = run_job(llm, job)
+        results[job["key"]] = run(llm, job)
         print(f"vllm_run: {job['key']} done in {results[job['key']]['wall_s']:.1f} s", file=sys.stderr, flush=True)
     with open(out_path, "w") as f:
         json.dump({"version": vllm.__version__, "jobs": results}, f)
