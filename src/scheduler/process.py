@@ -32,6 +32,7 @@ import zmq
 from kernels import envs, owned_cache
 
 from .config import EngineConfig
+from .logs import LOG_FORMATS, configure_logging
 from .messages import (
     AbortRequest,
     AddRequest,
@@ -347,10 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inbox", required=True, help="ZMQ address to PULL requests from")
     parser.add_argument("--outbox", required=True, help="ZMQ address to PUSH outputs to")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s scheduler[%(process)d]: %(message)s"
-    )
+    configure_logging(args.log_level, args.log_format, "scheduler")
     _tie_lifetime_to_parent()
     config = msgspec.json.decode(args.config, type=EngineConfig)
 

@@ -17,6 +17,7 @@ it, and then to the next in line, so steps stay as full as without the threshold
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -355,6 +356,7 @@ class Scheduler:
             self.kv.admit(req, cached)
             in_progress.update(self.kv.uncached_digests(req))
             if req.num_preemptions == 0:
+                req.queue_time_s = time.monotonic() - req.arrived_at
                 req.num_cached_tokens = num_cached
                 self.num_cached_prompt_tokens += num_cached
                 self.num_admitted_prompt_tokens += req.num_prompt_tokens

@@ -11,6 +11,7 @@ import socket
 import sys
 
 from scheduler.config import DisaggregationConfig, EngineConfig, describe_default, parse_memory_size
+from scheduler.logs import LOG_FORMATS, configure_logging
 
 from .log_filters import ClientGoneFilter
 from .server import ServerConfig, serve
@@ -300,6 +301,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="logging verbosity of the daemon and its scheduler process",
     )
     p.add_argument(
+        "--enable-metrics",
+        action="store_true",
+        default=srv.enable_metrics,
+        help="serve Prometheus metrics (SGLang's sglang:* names) over HTTP at --metrics-host:--metrics-port/metrics",
+    )
+    p.add_argument("--metrics-host", default=srv.metrics_host, help="address of the metrics endpoint")
+    p.add_argument(
+        "--metrics-port", type=_number(int, 0, 65535), default=srv.metrics_port, help="port of the metrics endpoint"
+    )
+    p.add_argument(
+        "--enable-trace",
+        action="store_true",
+        default=srv.enable_trace,
+        help="OpenTelemetry tracing: a span per request (and admin call), the child of the caller's W3C "
+        "traceparent (the smg router's with --enable-trace), exported over OTLP/gRPC (the trace extra)",
+    )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=srv.otlp_traces_endpoint,
+        metavar="HOST:PORT",
+        help="the OTLP/gRPC collector spans go to (plaintext; an https:// URL for TLS)",
+    )
+    p.add_argument(
+        "--log-format",
+        default=srv.log_format,
+        choices=LOG_FORMATS,
+        help="text for people; json for log pipelines: one object per line with time, level, process, logger, "
+        "message and the request id where there is one",
+    )
+    p.add_argument(
         "--profile-dir",
         default=e.profile_dir,
         metavar="DIR",
@@ -460,9 +491,7 @@ def _disaggregation(parser: argparse.ArgumentParser, args: dict) -> Disaggregati
 def main(argv: list[str] | None = None) -> int:
     engine, server = parse_args(argv)
     name = "servicer" if engine.node_rank == 0 else f"node-{engine.node_rank}"
-    logging.basicConfig(
-        level=server.log_level.upper(), format=f"%(asctime)s %(levelname)s {name}[%(process)d]: %(message)s"
-    )
+    configure_logging(server.log_level, server.log_format, name)
     if engine.node_rank > 0:  # ranks only: node 0 serves
         from scheduler.tp_worker import run_node
 

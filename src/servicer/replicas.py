@@ -33,10 +33,10 @@ AFFINITY_SLACK = 4
 
 
 class Replicas:
-    def __init__(self, config: EngineConfig, log_level: str = "info"):
+    def __init__(self, config: EngineConfig, log_level: str = "info", log_format: str = "text"):
         self.size = config.dp_size
         self.ranks = [
-            SchedulerClient(msgspec.structs.replace(config, dp_rank=r), log_level, name=self._name(r))
+            SchedulerClient(msgspec.structs.replace(config, dp_rank=r), log_level, self._name(r), log_format)
             for r in range(self.size)
         ]
         self.ready = asyncio.Event()

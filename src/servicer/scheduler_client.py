@@ -153,9 +153,12 @@ class _Route:
 
 
 class SchedulerClient:
-    def __init__(self, config: EngineConfig, log_level: str = "info", name: str = "the scheduler"):
+    def __init__(
+        self, config: EngineConfig, log_level: str = "info", name: str = "the scheduler", log_format: str = "text"
+    ):
         self.config = config
         self.log_level = log_level
+        self.log_format = log_format
         self.name = name  # in log lines (a DP rank's)
         self.ctx = zmq.asyncio.Context()
         # No high-water marks: past one, pyzmq queues un-awaited sends at O(n) each (a burst
@@ -209,6 +212,8 @@ class SchedulerClient:
             self.outbox_addr,
             "--log-level",
             self.log_level,
+            "--log-format",
+            self.log_format,
         ]
         env = dict(os.environ)
         src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -15,6 +16,7 @@ import grpc
 import msgspec
 from google.protobuf import struct_pb2, timestamp_pb2
 
+from scheduler import logs
 from scheduler.messages import CONSTRAINT_FAILED, ModelInfo
 
 from .generate_responses import GenerateResponses
@@ -49,11 +51,14 @@ def _struct(values: dict) -> struct_pb2.Struct:
 
 
 class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
-    def __init__(self, client: Replicas, health: HealthState):
+    def __init__(self, client: Replicas, health: HealthState, metrics=None, tracing=None):
         """What the engine runs with comes from the scheduler (``client.model_info``, resolved
-        there), never from the command line's EngineConfig."""
+        there), never from the command line's EngineConfig. ``metrics`` (metrics.ServingMetrics)
+        and ``tracing`` (tracing.Tracing): None when off, and then nothing is observed."""
         self.client = client
         self.health = health
+        self.metrics = metrics
+        self.tracing = tracing
         self.start_time = time.time()
         self.last_receive_time = 0.0
         self.children: dict[str, list[str]] = {}  # parent request id -> scheduler request ids
@@ -98,6 +103,8 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             await context.abort(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted before it arrived")
         ids = await self._sequence_ids(request, context)
         rank = await self._dp_rank(request, base, context)
+        logs.request_id.set(rid)
+        observers = self._observers(context, "Generate", rid, ids)
         responses = GenerateResponses(request, ids)
         self.children[rid] = ids
         queue: asyncio.Queue = asyncio.Queue()
@@ -123,6 +130,8 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
                 out = await queue.get()
                 if isinstance(out, Exception):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {out}")
+                if observers is not None:
+                    observers.on_output(out)
                 if out.error is not None:
                     await _abort_with_error(context, out.error_code, out.error)
                 for response in responses.on_output(out):
@@ -143,6 +152,20 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             for cid in ids:
                 self.client.cancel(cid, "client cancelled")
             self.children.pop(rid, None)
+            if observers is not None:
+                observers.end()
+
+    def _observers(self, context, name: str, rid: str, ids: list[str]):
+        """What watches a call's outputs for metrics and traces; None when both are off."""
+        if self.metrics is None and self.tracing is None:
+            return None
+        return CallObservers(
+            {cid: self.metrics.request() for cid in ids} if self.metrics is not None else None,
+            self.tracing.request(context, name, rid) if self.tracing is not None else None,
+        )
+
+    def _admin_span(self, context, name: str):
+        return self.tracing.span(context, name) if self.tracing is not None else contextlib.nullcontext()
 
     async def _sequence_ids(self, request, context) -> list[str]:
         """The scheduler's ids of the call's n sequences: n > 1 names them "<id>-n<i>". No
@@ -353,6 +376,10 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be a number, got {request.timeout_s}"
             )
         deadline = time.monotonic() + max(request.timeout_s, 0)
+        with self._admin_span(context, "FlushCache"):
+            return await self._flush(deadline)
+
+    async def _flush(self, deadline: float):
         while True:
             reply, failure = await self._call_scheduler("flush_cache", timeout=FLUSH_ANSWER_S)
             if reply is None:
@@ -400,12 +427,16 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             )
         queue: asyncio.Queue = asyncio.Queue()
         self.children[rid] = [rid]  # (Abort finds it)
+        logs.request_id.set(rid)
+        observers = self._observers(context, "Embed", rid, [rid])
         try:
             self.client.submit(msg, queue, self.client.pick_rank(wanted, msg.input_ids, ""))
             while True:
                 out = await queue.get()
                 if isinstance(out, Exception):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {out}")
+                if observers is not None:
+                    observers.on_output(out)
                 if out.error is not None:
                     await _abort_with_error(context, out.error_code, out.error)
                 if out.finish_reason is None:
@@ -418,6 +449,8 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         finally:  # a caller gone (or an error) aborts it: its KV is freed now
             self.client.cancel(rid, "client cancelled")
             self.children.pop(rid, None)
+            if observers is not None:
+                observers.end()
 
     def _publish_kv_events(self, msg, rank: int = 0) -> None:
         self.rank_hubs[rank].publish(msg)
@@ -448,7 +481,8 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         for name in ("output_dir", "start_step", "num_steps", "with_stack", "record_shapes"):
             if request.HasField(name):
                 args[name] = getattr(request, name)
-        reply, failure = await self._call_scheduler("start_profile", timeout=60.0, **args)
+        with self._admin_span(context, "StartProfile"):
+            reply, failure = await self._call_scheduler("start_profile", timeout=60.0, **args)
         if reply is None:
             return common_pb2.ProfileResponse(success=False, message=failure)
         return common_pb2.ProfileResponse(success=reply.ok, message=reply.message)
@@ -456,7 +490,8 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
     async def StopProfile(self, request, context):
         """Stop the profiler and write its Chrome trace; the message names the file."""
         await self._require_ready(context)
-        reply, failure = await self._call_scheduler("stop_profile", timeout=600.0)
+        with self._admin_span(context, "StopProfile"):
+            reply, failure = await self._call_scheduler("stop_profile", timeout=600.0)
         if reply is None:
             return common_pb2.ProfileResponse(success=False, message=failure)
         return common_pb2.ProfileResponse(success=reply.ok, message=reply.message)
@@ -496,6 +531,30 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
             yield common_pb2.GetTokenizerChunk(data=part, sha256=sha256 if last else "")
+
+
+class CallObservers:
+    """A call's metrics (one record per sequence) and trace, fed each of its outputs."""
+
+    __slots__ = ("meters", "trace")
+
+    def __init__(self, meters: dict | None, trace):
+        self.meters = meters
+        self.trace = trace
+
+    def on_output(self, out) -> None:
+        if self.meters is not None:
+            self.meters[out.request_id].on_output(out)
+        if self.trace is not None:
+            self.trace.on_output(out)
+
+    def end(self) -> None:
+        """The call is over: sequences that never finished count as aborted (their caller left)."""
+        if self.meters is not None:
+            for meter in self.meters.values():
+                meter.finish("abort")
+        if self.trace is not None:
+            self.trace.end()
 
 
 async def _abort_with_error(context, error_code: str | None, message: str) -> None:

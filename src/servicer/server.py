@@ -56,6 +56,12 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     log_level: str = "info"
+    log_format: str = "text"  # "text" | "json" (one object per line)
+    enable_metrics: bool = False  # Prometheus /metrics on metrics_host:metrics_port
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 30001
+    enable_trace: bool = False  # OpenTelemetry spans exported over OTLP/gRPC
+    otlp_traces_endpoint: str = "localhost:4317"
     shutdown_grace_s: float = 30.0
     watchdog_timeout_s: float = 300.0  # 0: never kill a scheduler that stopped making progress
     ssl_certfile: str | None = None  # PEM certificate chain: TLS on the whole port
@@ -148,9 +154,15 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
     except TLSConfigError as e:
         logger.error("start-up failed: %s", e)
         return 1
-    client = Replicas(engine_config, server_config.log_level)
+    client = Replicas(engine_config, server_config.log_level, server_config.log_format)
     health = HealthState(client)
-    service = SglangSchedulerService(client, health)
+    try:
+        metrics, tracing = _observability(engine_config, server_config, client)
+    except (OSError, ImportError) as e:
+        logger.error("start-up failed: %s", e)
+        await client.stop()
+        return 1
+    service = SglangSchedulerService(client, health, metrics, tracing)
 
     server = _build_server(service, HealthServicer(health))
     address = _bind(server, server_config.host, server_config.port, credentials)
@@ -214,7 +226,38 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         health.shutting_down = True
         await server.stop(grace=1.0)
         await client.stop()
+        if metrics is not None:
+            metrics.close()
+        if tracing is not None:
+            tracing.shutdown()
         logger.info("stopped")
+
+
+def _observability(engine_config: EngineConfig, server_config: ServerConfig, client: Replicas):
+    """(ServingMetrics or None, Tracing or None) as the flags ask; the metrics endpoint serves
+    from now on (its gauges read zero until the model is loaded)."""
+    metrics = tracing = None
+    if server_config.enable_metrics:
+        from .metrics import ServingMetrics
+
+        pd = engine_config.disaggregation
+        metrics = ServingMetrics(
+            engine_config.served_model_name or engine_config.model, client, pd.mode if pd is not None else "unified"
+        )
+        try:
+            metrics.serve(server_config.metrics_host, server_config.metrics_port)
+        except OSError as e:
+            raise OSError(
+                f"cannot serve metrics on {server_config.metrics_host}:{server_config.metrics_port}: {e}"
+            ) from None
+    if server_config.enable_trace:
+        from .tracing import Tracing
+
+        try:
+            tracing = Tracing(server_config.otlp_traces_endpoint)
+        except ImportError as e:
+            raise ImportError(f"--enable-trace needs OpenTelemetry: pip install 'servicer[trace]' ({e})") from None
+    return metrics, tracing
 
 
 async def _watchdog(client: Replicas, timeout_s: float) -> None:
