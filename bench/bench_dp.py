@@ -20,21 +20,12 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import workloads  # noqa: E402
-from bench_w64 import run_daemon  # noqa: E402
+from bench_w64 import daemon_defaults, run_daemon  # noqa: E402
 
 
 def run(work, dp: int, model: str) -> dict:
     cores = os.cpu_count() or 2
-    args = argparse.Namespace(
-        model=model,
-        device="cpu",
-        kv_cache_tokens=32768,
-        max_num_batched_tokens=None,
-        long_prefill_token_threshold=None,
-        speculative_algorithm=None,
-        threads=max(1, cores // dp),
-        daemon_args=["--dp-size", str(dp)],
-    )
+    args = daemon_defaults(model, max(1, cores // dp), ["--dp-size", str(dp)])
     result = run_daemon(work, args)
     result["name"] = f"daemon, dp {dp} ({args.threads} thread{'s' if args.threads > 1 else ''} a replica)"
     return result

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import workloads  # noqa: E402
 from bench_pd import free_port  # noqa: E402
-from bench_w64 import run_daemon  # noqa: E402
+from bench_w64 import daemon_defaults, run_daemon  # noqa: E402
 
 
 def collector() -> tuple[object, int, list[int]]:
@@ -58,16 +58,7 @@ def scraper(url: str, stop: threading.Event, scrapes: list[int]) -> None:
 
 def run(work, observed: bool, model: str, trace_port: int) -> dict:
     metrics_port = free_port()
-    args = argparse.Namespace(
-        model=model,
-        device="cpu",
-        kv_cache_tokens=32768,
-        max_num_batched_tokens=None,
-        long_prefill_token_threshold=None,
-        speculative_algorithm=None,
-        threads=os.cpu_count() or 2,
-        daemon_args=[],
-    )
+    args = daemon_defaults(model, os.cpu_count() or 2, [])
     stop, scrapes = threading.Event(), [0]
     if observed:
         args.daemon_args = ["--enable-metrics", "--metrics-port", str(metrics_port), "--enable-trace"]

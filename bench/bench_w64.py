@@ -170,6 +170,20 @@ def _children(pid: int) -> list[int]:
         return [int(c) for c in f.read().split()]
 
 
+def daemon_defaults(model: str, threads: int, daemon_args: list[str]) -> argparse.Namespace:
+    """The arguments :func:`run_daemon` reads, at the engine's defaults (for other benchmarks)."""
+    return argparse.Namespace(
+        model=model,
+        device="cpu",
+        kv_cache_tokens=32768,
+        max_num_batched_tokens=None,
+        long_prefill_token_threshold=None,
+        speculative_algorithm=None,
+        threads=threads,
+        daemon_args=daemon_args,
+    )
+
+
 def run_daemon(work, args, sampling: str = "greedy", dtype: str = "auto") -> dict:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+import test_model_parity
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.messages import SamplingParams
@@ -18,19 +19,7 @@ from scheduler.model_config import ModelConfig
 from scheduler.pooling import PoolingSpec, detect_pooling
 from scheduler.scheduler import AdmissionError
 
-COMMON = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+COMMON = {**test_model_parity.COMMON, "eos_token_id": 2}
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 
 

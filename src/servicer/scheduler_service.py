@@ -85,18 +85,27 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {reason}")
 
     # -- Generate ----------------------------------------------------------------------
-    async def Generate(self, request, context):
+    async def _convert(self, request, context, embed: bool):
+        """The call's scheduler message, after the checks every Generate and Embed passes first:
+        the engine is up, and serves this kind of call."""
         await self._require_ready(context)
         self.last_receive_time = time.time()
-        if not self.info.is_generation:
+        if self.info.is_generation == embed:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "this daemon serves an embedding model: it answers Embed (/v1/embeddings, /v1/classify), not Generate",
+                "this daemon serves a generation model: start it with --is-embedding (or an embedding "
+                "checkpoint) to answer Embed"
+                if embed
+                else "this daemon serves an embedding model: it answers Embed (/v1/embeddings, /v1/classify), "
+                "not Generate",
             )
         try:
-            base = to_add_request(request, self.info)
+            return (to_embed_request if embed else to_add_request)(request, self.info)
         except InvalidRequest as e:
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))
+
+    async def Generate(self, request, context):
+        base = await self._convert(request, context, embed=False)
         rid = request.request_id
         aborted_at = self.early_aborts.pop(rid, None)
         if aborted_at is not None and time.monotonic() - aborted_at < EARLY_ABORT_TTL_S:
@@ -127,13 +136,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
                 # which it otherwise takes for a stuck worker after a few seconds.
                 await context.send_initial_metadata(())
             while not responses.done:
-                out = await queue.get()
-                if isinstance(out, Exception):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {out}")
-                if observers is not None:
-                    observers.on_output(out)
-                if out.error is not None:
-                    await _abort_with_error(context, out.error_code, out.error)
+                out = await self._next_output(queue, context, observers)
                 for response in responses.on_output(out):
                     yield response
                 if out.finish_reason is not None:
@@ -154,6 +157,18 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
             self.children.pop(rid, None)
             if observers is not None:
                 observers.end()
+
+    async def _next_output(self, queue: asyncio.Queue, context, observers):
+        """A call's next output from the scheduler, observed; the call ends here with the
+        status of a scheduler gone or a request ended in error."""
+        out = await queue.get()
+        if isinstance(out, Exception):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {out}")
+        if observers is not None:
+            observers.on_output(out)
+        if out.error is not None:
+            await _abort_with_error(context, out.error_code, out.error)
+        return out
 
     def _observers(self, context, name: str, rid: str, ids: list[str]):
         """What watches a call's outputs for metrics and traces; None when both are off."""
@@ -404,18 +419,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
     async def Embed(self, request, context):
         """An embedding model's vector for one tokenized text (a classifier's: its logits),
         computed in the continuous batch as a prefill-only request."""
-        await self._require_ready(context)
-        self.last_receive_time = time.time()
-        if self.info.is_generation:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "this daemon serves a generation model: start it with --is-embedding (or an embedding "
-                "checkpoint) to answer Embed",
-            )
-        try:
-            msg = to_embed_request(request, self.info)
-        except InvalidRequest as e:
-            await context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        msg = await self._convert(request, context, embed=True)
         rid = msg.request_id
         if rid in self.children or self.client.has_request(rid):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
@@ -432,13 +436,7 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
         try:
             self.client.submit(msg, queue, self.client.pick_rank(wanted, msg.input_ids, ""))
             while True:
-                out = await queue.get()
-                if isinstance(out, Exception):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {out}")
-                if observers is not None:
-                    observers.on_output(out)
-                if out.error is not None:
-                    await _abort_with_error(context, out.error_code, out.error)
+                out = await self._next_output(queue, context, observers)
                 if out.finish_reason is None:
                     continue
                 if out.embedding is None:  # ended by an Abort
