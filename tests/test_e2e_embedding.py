@@ -198,3 +198,11 @@ def test_classifier_behind_the_router(tmp_path):
                 assert answer["label"] == LABELS[int(logits.argmax())]
                 assert answer["num_classes"] == len(LABELS)
             assert daemon.health_status() == "SERVING"
+
+
+def test_embed_on_a_generation_daemon_is_invalid_argument(daemon, grpc_stub):
+    """(The session's daemon serves the bundled generation model.)"""
+    with pytest.raises(grpc.RpcError) as e:
+        grpc_stub.Embed(embed_request([5, 6, 7]), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--is-embedding" in e.value.details()
+    assert daemon.health_status() == "SERVING"

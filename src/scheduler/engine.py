@@ -90,10 +90,11 @@ class Engine:
         if msg.embed != (self.config.pooling is not None):
             raise AdmissionError(
                 "INVALID_ARGUMENT",
-                "this is a generation model: start the daemon with --is-embedding (or an embedding "
+                "this daemon serves a generation model: start it with --is-embedding (or an embedding "
                 "checkpoint) to answer Embed"
                 if msg.embed
-                else "this is an embedding model: it answers Embed, not Generate",
+                else "this daemon serves an embedding model: it answers Embed (/v1/embeddings, /v1/classify), "
+                "not Generate",
             )
         vocab = self.runner.model_config.vocab_size
         bad = out_of_vocabulary(msg.input_ids, vocab)  # (as the servicer: no path may reach the embedding with one)

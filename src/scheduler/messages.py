@@ -268,7 +268,6 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     disaggregation_bootstrap_port: int = 0  # where a prefill daemon's bootstrap server listens
     disaggregation_transfer_backend: str = ""  # "mooncake" in PD mode
     is_generation: bool = True  # False: an embedding model, answering Embed only
-    embedding_dim: int = 0  # the length of its vectors (a classifier's: its label count)
     labels: list[str] = []  # a classifier's, in logit order
 
 

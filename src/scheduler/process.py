@@ -104,15 +104,9 @@ def model_info(engine) -> ModelInfo:
         kv_cache_gb=runner.kv_cache_bytes / 2**30,
         tp_size=rc.tp_size,
         **_disaggregation_info(rc.disaggregation),
-        **_embedding_info(rc.pooling, mc),
+        is_generation=rc.pooling is None,
+        labels=list(rc.pooling.labels) if rc.pooling is not None else [],
     )
-
-
-def _embedding_info(pooling, model_config) -> dict:
-    if pooling is None:
-        return {}
-    labels = list(pooling.labels)
-    return {"is_generation": False, "embedding_dim": len(labels) or model_config.hidden_size, "labels": labels}
 
 
 def _disaggregation_info(settings) -> dict:

@@ -49,8 +49,7 @@ class Request:
         self.hash_extra = hash_extra  # extra prefix-cache key (the cache salt)
         self.status = Status.WAITING
         self.arrived_at = time.monotonic()
-        self.queue_time_s: float | None = None  # from arrival to its first step (metrics, traces)
-        self.queue_time_sent = False
+        self.queue_time_s: float | None = None  # from arrival to its first step, until sent (metrics, traces)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
         self.num_queued_cached_tokens = 0  # the prefix hit it had when last queued (a load estimate)
@@ -233,8 +232,7 @@ class Request:
         if self.error is not None:
             out.error_code, out.error = self.error
         out.embedding = self.embedding
-        if self.queue_time_s is not None and not self.queue_time_sent:
-            out.queue_time_s, self.queue_time_sent = self.queue_time_s, True
+        out.queue_time_s, self.queue_time_s = self.queue_time_s, None  # (once)
         if self.output_logprobs is not None and new:
             out.output_logprobs = self.output_logprobs.rows(start, start + len(new), new)
         elif self.next_token_ids_logprobs is not None and final:

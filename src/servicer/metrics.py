@@ -31,56 +31,40 @@ QUEUE_BUCKETS = [0.0, 0.1, 0.2, 0.5, 1, 2, 3, 4, 5, 10, 15, 20, 30, 40, 50, 60, 
 
 
 class ServingMetrics:
-    """The registry, its request metrics, and the collector of the scheduler's gauges."""
+    """The registry, its request metrics (bound to the model's name once: no label lookup per
+    token), and the collector of the scheduler's gauges."""
 
     def __init__(self, model_name: str, client, engine_type: str = "unified"):
         self.registry = CollectorRegistry()
-        self.model_name = model_name
-        labels, reg = ["model_name"], self.registry
-        self.prompt_tokens = Counter(
-            "sglang:prompt_tokens", "Number of prefill tokens processed.", labels, registry=reg
-        )
-        self.generation_tokens = Counter(
-            "sglang:generation_tokens", "Number of generation tokens processed.", labels, registry=reg
-        )
-        self.cached_tokens = Counter("sglang:cached_tokens", "Number of cached prompt tokens.", labels, registry=reg)
-        self.requests = Counter("sglang:num_requests", "Number of requests processed.", labels, registry=reg)
-        self.aborted = Counter("sglang:num_aborted_requests", "Number of requests aborted.", labels, registry=reg)
-        self.finished = Counter(
+
+        def counter(name: str, text: str):
+            return Counter(f"sglang:{name}", text, ["model_name"], registry=self.registry).labels(model_name)
+
+        def histogram(name: str, text: str, buckets: list[float]):
+            metric = Histogram(f"sglang:{name}", text, ["model_name"], buckets=buckets, registry=self.registry)
+            return metric.labels(model_name)
+
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        self.cached_tokens = counter("cached_tokens", "Number of cached prompt tokens.")
+        self.requests = counter("num_requests", "Number of requests processed.")
+        self.aborted = counter("num_aborted_requests", "Number of requests aborted.")
+        finished = Counter(
             "sglang:num_finished_requests",
             "Number of requests finished, by finish reason (stop, length, abort, error).",
-            [*labels, "finish_reason"],
-            registry=reg,
+            ["model_name", "finish_reason"],
+            registry=self.registry,
         )
-        self.ttft = Histogram(
-            "sglang:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            labels,
-            buckets=TTFT_BUCKETS,
-            registry=reg,
+        self.finished = {reason: finished.labels(model_name, reason) for reason in ("stop", "length", "abort", "error")}
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
         )
-        self.itl = Histogram(
-            "sglang:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            labels,
-            buckets=ITL_BUCKETS,
-            registry=reg,
+        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds", E2E_BUCKETS
         )
-        self.e2e = Histogram(
-            "sglang:e2e_request_latency_seconds",
-            "Histogram of End-to-end request latency in seconds",
-            labels,
-            buckets=E2E_BUCKETS,
-            registry=reg,
-        )
-        self.queue_time = Histogram(
-            "sglang:queue_time_seconds",
-            "Histogram of queueing time in seconds.",
-            labels,
-            buckets=QUEUE_BUCKETS,
-            registry=reg,
-        )
-        reg.register(SchedulerGauges(model_name, client, engine_type))
+        self.queue_time = histogram("queue_time_seconds", "Histogram of queueing time in seconds.", QUEUE_BUCKETS)
+        self.registry.register(SchedulerGauges(model_name, client, engine_type))
         self.server = None
 
     def serve(self, host: str, port: int) -> None:
@@ -111,18 +95,18 @@ class RequestMetrics:
         self.done = False
 
     def on_output(self, out) -> None:
-        m, name = self.metrics, self.metrics.model_name
+        m = self.metrics
         now = time.perf_counter()
         if out.queue_time_s is not None:
-            m.queue_time.labels(name).observe(out.queue_time_s)
+            m.queue_time.observe(out.queue_time_s)
         new = out.num_output_tokens - self.tokens
         if new > 0 or out.embedding is not None:
             if self.last is None:
-                m.ttft.labels(name).observe(now - self.started)
+                m.ttft.observe(now - self.started)
             elif new > 0:  # (SGLang's: each of a batch's tokens counts its share of the interval)
                 share = (now - self.last) / new
                 for _ in range(new):
-                    m.itl.labels(name).observe(share)
+                    m.itl.observe(share)
             self.last, self.tokens = now, out.num_output_tokens
         if out.finish_reason is not None:
             self.finish(out.finish_reason if out.error is None else "error", out)
@@ -132,17 +116,17 @@ class RequestMetrics:
         if self.done:
             return
         self.done = True
-        m, name = self.metrics, self.metrics.model_name
-        m.requests.labels(name).inc()
-        m.finished.labels(name, reason).inc()
+        m = self.metrics
+        m.requests.inc()
+        m.finished[reason].inc()
         if reason == "abort":
-            m.aborted.labels(name).inc()
-        m.e2e.labels(name).observe(time.perf_counter() - self.started)
+            m.aborted.inc()
+        m.e2e.observe(time.perf_counter() - self.started)
         if out is not None:
-            m.prompt_tokens.labels(name).inc(out.num_prompt_tokens)
-            m.generation_tokens.labels(name).inc(out.num_output_tokens)
+            m.prompt_tokens.inc(out.num_prompt_tokens)
+            m.generation_tokens.inc(out.num_output_tokens)
             if out.num_cached_tokens:
-                m.cached_tokens.labels(name).inc(out.num_cached_tokens)
+                m.cached_tokens.inc(out.num_cached_tokens)
 
 
 class SchedulerGauges:

@@ -86,19 +86,10 @@ class SglangSchedulerService(pb_grpc.SglangSchedulerServicer):
 
     # -- Generate ----------------------------------------------------------------------
     async def _convert(self, request, context, embed: bool):
-        """The call's scheduler message, after the checks every Generate and Embed passes first:
-        the engine is up, and serves this kind of call."""
+        """The call's scheduler message, validated at the edge once the engine is up (whether
+        the model serves this kind of call is the scheduler's admission's to say)."""
         await self._require_ready(context)
         self.last_receive_time = time.time()
-        if self.info.is_generation == embed:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "this daemon serves a generation model: start it with --is-embedding (or an embedding "
-                "checkpoint) to answer Embed"
-                if embed
-                else "this daemon serves an embedding model: it answers Embed (/v1/embeddings, /v1/classify), "
-                "not Generate",
-            )
         try:
             return (to_embed_request if embed else to_add_request)(request, self.info)
         except InvalidRequest as e:
