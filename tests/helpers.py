@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -360,6 +361,27 @@ def wait_until(predicate, timeout: float, what, interval: float = 0.05):
 
 
 # ---------------------------------------------------------------- daemon state (gRPC)
+
+
+def watch_health(channel, timeout: float = 60.0) -> tuple[list, threading.Thread]:
+    """A grpc.health.v1 Watch on ``channel`` in a thread: (the statuses heard so far, the thread),
+    which ends when the stream does (the daemon gone, or ``timeout``)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    statuses: list = []
+
+    def watch() -> None:
+        import grpc
+
+        try:
+            for reply in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=timeout):
+                statuses.append(reply.status)
+        except grpc.RpcError:
+            pass
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return statuses, thread
 
 
 def kv_state(stub) -> tuple[int, int, int]:

@@ -10,12 +10,12 @@ import threading
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from helpers import Daemon, Router, child_pids, http_get, install_sigterm_cleanup, wait_until
+from helpers import Daemon, Router, child_pids, http_get, install_sigterm_cleanup, wait_until, watch_health
 
 DP = 2
 GREEDY = pb.SamplingParams(temperature=0.0, max_new_tokens=4)
@@ -179,14 +179,7 @@ def test_a_killed_replica_takes_the_daemon_down(dp_daemon):
     schedulers = child_pids(dp_daemon.proc.pid)
     assert len(schedulers) == DP
     with dp_daemon.channel() as ch:
-        statuses, outcome, started = [], {}, threading.Event()
-
-        def watch() -> None:
-            try:
-                for reply in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=60):
-                    statuses.append(reply.status)
-            except grpc.RpcError:
-                pass
+        outcome, started = {}, threading.Event()
 
         def long_request() -> None:
             request = pb.GenerateRequest(
@@ -202,9 +195,9 @@ def test_a_killed_replica_takes_the_daemon_down(dp_daemon):
             except grpc.RpcError as e:
                 outcome["code"] = e.code()
 
-        threads = [threading.Thread(target=f, daemon=True) for f in (watch, long_request)]
-        for t in threads:
-            t.start()
+        statuses, watcher = watch_health(ch)
+        threads = [watcher, threading.Thread(target=long_request, daemon=True)]
+        threads[1].start()
         assert started.wait(60)
         wait_until(lambda: statuses, 10, "the first health status")
         os.kill(schedulers[1], signal.SIGKILL)

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from helpers import Daemon, Router, child_pids, install_sigterm_cleanup, wait_until
+from helpers import Daemon, Router, child_pids, install_sigterm_cleanup, wait_until, watch_health
 
 TP = 3
 
@@ -65,18 +63,8 @@ def test_a_killed_rank_takes_the_daemon_down(tp_daemon):
     """(Last: this ends the module's daemon.) Health watchers hear NOT_SERVING."""
     scheduler = child_pids(tp_daemon.proc.pid)[0]
     ranks = ranks_of(tp_daemon)
-    statuses = []
     with tp_daemon.channel() as ch:
-
-        def watch() -> None:
-            try:
-                for reply in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=60):
-                    statuses.append(reply.status)
-            except grpc.RpcError:
-                pass
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
+        statuses, watcher = watch_health(ch)
         wait_until(lambda: statuses, 10, "the first health status")
         os.kill(ranks[0], signal.SIGKILL)
         wait_until(lambda: tp_daemon.proc.poll() is not None, 60, "the daemon exiting")
