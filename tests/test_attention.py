@@ -233,3 +233,55 @@ def test_native_decode_kernel_declines_what_it_does_not_read():
         cpu_kernels.paged_decode_attention(q, *args, out=torch.empty(H, 2, D).transpose(0, 1)) is None
     )  # not contiguous
     assert cpu_kernels.paged_decode_attention(q, *args, out=torch.empty(2, H, D).bfloat16()) is None
+
+
+def assert_native_prefill_matches_torch_path(reqs, heads, kv_heads, head_dim, block_size, dtype, seed):
+    """``reqs``: (cached tokens, tokens this step) per request, decodes first. The native
+    prefill kernel against the torch path in fp32 on the same (rounded) values."""
+    total_blocks = sum(-(-(d + n) // block_size) for d, n in reqs) + 1
+    g, k_cache, v_cache = random_paged_cache(dtype, total_blocks, head_dim, seed, block_size, kv_heads)
+    free = iter(torch.randperm(total_blocks - 1, generator=g).add(1).tolist())
+    tables = [[next(free) for _ in range(-(-(d + n) // block_size))] for d, n in reqs]
+    meta = AttentionMetadata.build([n for _, n in reqs], [d + n for d, n in reqs], tables, block_size)
+    q = torch.randn(meta.slot_mapping.shape[0], heads, head_dim, generator=g).to(dtype)
+    expected = torch.zeros(q.shape)
+    attention.prefill_attention(q.float(), k_cache.float(), v_cache.float(), meta, 0.125, expected)
+    out = torch.full_like(q, float("nan"))
+    assert cpu_kernels.paged_prefill_attention(
+        q, k_cache, v_cache, meta.prefill_segments, meta.prefill_block_tables, 0.125, out
+    )
+    rows = slice(meta.num_decodes, None)
+    assert out[: meta.num_decodes].isnan().all()  # the decode rows are not the kernel's
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else {}
+    torch.testing.assert_close(out[rows], expected[rows].to(dtype), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (16, 128), (16, 32), (8, 64), (32, 48)])
+def test_native_prefill_kernel_matches_torch_path(dtype, block_size, head_dim):
+    """Fresh prompts and chunks after a cached prefix (bottom-right causal), lengths around
+    the kernel's 16-key chunks and block edges, one-token chunks, beside decode rows;
+    SmolLM2's three query heads per KV head (a tile of 16 rows then ends mid-position)."""
+    reqs = [(40, 1), (7, 1), (0, 1), (0, 2), (0, 16), (0, 17), (0, 300), (5, 1), (16, 16), (100, 33), (250, 7)]
+    assert_native_prefill_matches_torch_path(reqs, 9, 3, head_dim, block_size, dtype, seed=6)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 7, 8])
+def test_native_prefill_kernel_query_head_groupings(group):
+    reqs = [(0, 45), (33, 20), (0, 3)]
+    assert_native_prefill_matches_torch_path(reqs, group * 2, 2, 64, 16, torch.float32, seed=7)
+
+
+def test_native_prefill_kernel_declines_what_it_does_not_read():
+    q = torch.randn(3, H, D)
+    k_cache = torch.zeros(8, BS, HKV, D)
+    meta = AttentionMetadata.build([3], [3], [[1]], BS)
+    args = (meta.prefill_segments, meta.prefill_block_tables, 0.125)
+    assert not cpu_kernels.paged_prefill_attention(q.bfloat16(), k_cache, k_cache, *args, torch.empty_like(q))
+    assert not cpu_kernels.paged_prefill_attention(q, k_cache, k_cache, *args, torch.empty(3, H, D).bfloat16())
+    wide = torch.zeros(8, BS, HKV, 2 * D)
+    assert not cpu_kernels.paged_prefill_attention(q, k_cache, wide, *args, torch.empty_like(q))
+    odd = torch.zeros(8, BS, HKV, 24)  # head dims in whole 16-float slices only
+    assert not cpu_kernels.paged_prefill_attention(torch.randn(3, H, 24), odd, odd, *args, torch.empty(3, H, 24))
+    strided = torch.empty(H, 3, D).transpose(0, 1)
+    assert not cpu_kernels.paged_prefill_attention(q, k_cache, k_cache, *args, strided)

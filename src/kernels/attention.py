@@ -51,6 +51,10 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64
     decode_max_seq_len: int = 0  # max(decode_seq_lens), known on the host when built
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # the prefill chunks as the native kernel reads them: [P, 3] (first query row, query rows,
+    # keys) and their block tables [P, max_blocks], int64
+    prefill_segments: torch.Tensor | None = None
+    prefill_block_tables: torch.Tensor | None = None
     _decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def decode_gather(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +103,10 @@ class AttentionMetadata:
                 mask = (k[None, :] <= torch.arange(s_len - q_len, s_len)[:, None]).to(device)
             meta.prefills.append(PrefillSegment(q_start, q_start + q_len, kv_slots.to(device), mask))
             q_start += q_len
+        if meta.prefills:
+            segments = [(seg.q_start, seg.q_end - seg.q_start, int(s)) for seg, s in zip(meta.prefills, seq[num_decodes:])]
+            meta.prefill_segments = torch.tensor(segments, dtype=torch.int64, device=device)
+            meta.prefill_block_tables = torch.from_numpy(table[num_decodes:]).to(device)
         return meta
 
 

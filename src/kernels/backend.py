@@ -137,7 +137,13 @@ class CpuBackend(TorchBackend):
             if native is None:
                 flat = attention.flat_cache
                 out[:n] = attention.decode_attention(q[:n], flat(k_cache), flat(v_cache), meta, scale)
-        attention.prefill_attention(q, k_cache, v_cache, meta, scale, out, k_new, v_new)
+        if meta.prefills and not (
+            meta.prefill_segments is not None
+            and cpu_kernels.paged_prefill_attention(
+                q, k_cache, v_cache, meta.prefill_segments, meta.prefill_block_tables, scale, out
+            )
+        ):
+            attention.prefill_attention(q, k_cache, v_cache, meta, scale, out, k_new, v_new)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

@@ -102,6 +102,7 @@ def _cpu_elements(dtype: torch.dtype, *tensors: torch.Tensor | None) -> bool:
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "paged_decode_attention": (ctypes.c_int, [_P] * 6 + [_I32] * 6 + [_F32, _I32]),
+    "paged_prefill_attention": (ctypes.c_int, [_P] * 4 + [_I32, _P, _I32, _P] + [_I32] * 4 + [_F32]),
     "add_rms_norm": (None, [_P, _I64, _I64, _P, _P, _P, _I32, _I32, _F32]),
     "silu_mul": (None, [_P, _I64, _I64, _P, _I64, _I32, _I32]),
     "qkv_rope_store": (None, [_P, _I64, _I64, _P, _P, _F32, _P, _P, _I64] + [_P] * 6 + [_I32] * 4),
@@ -188,6 +189,57 @@ def paged_decode_attention(
         shares,
     )
     return out if status == 0 else None
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    segments: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> bool:
+    """The prefill chunks' attention straight from the paged cache (their keys and values
+    already stored), written into their rows of ``out``; False when the native kernel does
+    not apply (device, dtype, shapes, no compiler), so the caller uses the torch path.
+    ``segments [P, 3]``: each chunk's first row in ``q``, its rows, its keys (seq_len);
+    ``block_tables [P, max_blocks]``: their tables (``AttentionMetadata.prefill_segments``)."""
+    _, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if (
+        not _cpu_elements(q.dtype, q, k_cache, v_cache, out)
+        or k_cache.shape[-1] != head_dim
+        or v_cache.shape != k_cache.shape
+        or out.shape != q.shape
+        or heads % kv_heads
+        or head_dim > 256
+        or head_dim % 16
+        or not (q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
+        or segments.dtype != torch.int64
+        or block_tables.dtype != torch.int64
+        or not (segments.is_contiguous() and block_tables.is_contiguous())
+    ):
+        return False
+    kernel = native_kernel("paged_prefill_attention", "paged_prefill_attention", q.dtype)
+    if kernel is None:
+        return False
+    status = kernel(
+        _ptr(q),
+        _ptr(k_cache),
+        _ptr(v_cache),
+        _ptr(block_tables),
+        block_tables.shape[1],
+        _ptr(segments),
+        segments.shape[0],
+        _ptr(out),
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        scale,
+    )
+    return status == 0
 
 
 # -- fused element-wise kernels of the decoder layer (csrc/fused_ops.c) ------------------------

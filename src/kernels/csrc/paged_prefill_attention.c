@@ -1,0 +1,245 @@
+/* Paged prefill attention for the CPU: the prefill chunks of a step, each query row attending
+ * to its request's keys 0 .. its own position (causal, bottom-right aligned: a chunk after a
+ * cached prefix sees the whole prefix), keys and values read straight from the
+ * block-structured cache through the block table (no gather copy, no mask tensor).
+ *
+ * Work is split into tiles: VF query rows of one request's chunk and one KV head (its G query
+ * heads side by side: row r is position r / G, head r % G), VF being the floats a vector
+ * holds. A tile's queries lie along the vector lanes, so attention is small matrix products
+ * over KC keys at a time:
+ *   scores   S[t] = sum_d K[t][d] * Qt[d]   (Qt: the tile's queries transposed once, K
+ *            elements broadcast; several keys' accumulators as independent FMA chains);
+ *   softmax  online and lane-wise: each lane is one query, so the max and the sum never
+ *            cross lanes (no horizontal reductions);
+ *   values   Ot[d] += sum_t V[t][d] * P[t], the output transposed as well, a slice of head
+ *            dims at a time in registers.
+ * Keys past a lane's position are masked only in the chunks that reach the diagonal; chunks
+ * past the tile's last position are never read. The tiles of a step are shared among the
+ * threads dynamically (later rows of a chunk see more keys). Arithmetic is fp32 (elem.h widens
+ * bf16 on load).
+ *
+ * Layouts (all contiguous; elements fp32, or bf16 in the bf16 build):
+ *   q, out        [T, H, D] (only the segments' rows are written)
+ *   k_cache, v_c  [num_blocks * block_size, Hkv, D]
+ *   tables        [num_segments, table_width] int64
+ *   segments      [num_segments, 3] int64: first query row, query rows, keys (seq_len)
+ */
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "elem.h"
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(64)));
+#define VF 16
+#else
+typedef v8 vf;
+typedef int32_t vi __attribute__((vector_size(32)));
+#define VF 8
+#endif
+
+#define KC 16          /* keys per chunk */
+#define KEYS_AT_ONCE 8 /* scores pass: keys whose accumulators are live together */
+#define DIMS_AT_ONCE 16 /* values pass: head dims whose accumulators are live together */
+#define MAX_D 256
+
+typedef struct {
+    const elem_t *q, *k_cache, *v_cache;
+    elem_t *out;
+    const int64_t *table;
+    int64_t q_start, q_len, seq_len;
+    int H, Hkv, D, block_size;
+    float scale;
+} Segment;
+
+/* The K and V rows of KV head h at positions [k0, k0 + n): one division per chunk, not per key. */
+static inline void chunk_rows(const Segment *s, int64_t k0, int n, int h, const elem_t **kr, const elem_t **vr) {
+    const int64_t bs = s->block_size;
+    int64_t b = k0 / bs, off = k0 % bs;
+    for (int t = 0; t < n; t++) {
+        const int64_t at = ((s->table[b] * bs + off) * s->Hkv + h) * s->D;
+        kr[t] = s->k_cache + at;
+        vr[t] = s->v_cache + at;
+        if (++off == bs) {
+            off = 0;
+            b++;
+        }
+    }
+}
+
+#ifdef __AVX512F__
+/* e^x for x <= 0 in 16 lanes: 2^(x log2 e) as 2^n * 2^f, |f| <= 1/2, 2^f by its Taylor
+ * polynomial to degree 7 (relative error under 1e-8, below fp32's rounding), 2^n applied by
+ * vscalefps: a few FMAs inline instead of a call into libm's vector expf per vector. */
+static inline vf exp_nonpositive(vf x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps((__m512)x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(1.44269504f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f)); /* f ln 2 */
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return (vf)_mm512_scalef_ps(p, n);
+}
+
+/* The online softmax of one chunk's scores S [n][VF] (lane-wise): S becomes the
+ * probabilities, m and l are updated, corr gets each lane's rescale of its earlier output. */
+static inline void chunk_softmax(float S[KC][VF], int n, float *m, float *l, float *corr) {
+    __m512 mx = _mm512_loadu_ps(m), sum = _mm512_setzero_ps();
+    for (int t = 0; t < n; t++) mx = _mm512_max_ps(mx, _mm512_load_ps(S[t]));
+    for (int t = 0; t < n; t++) {
+        const vf p = exp_nonpositive((vf)_mm512_sub_ps(_mm512_load_ps(S[t]), mx));
+        *(vf *)S[t] = p;
+        sum = _mm512_add_ps(sum, (__m512)p);
+    }
+    const __m512 c = (__m512)exp_nonpositive((vf)_mm512_sub_ps(_mm512_loadu_ps(m), mx));
+    _mm512_storeu_ps(corr, c);
+    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), c, sum));
+    _mm512_storeu_ps(m, mx);
+}
+#else
+/* (as above, 8 lanes; GCC vectorizes the exponentials through libm's vector expf) */
+static void chunk_softmax(float S[KC][VF], int n, float *m, float *l, float *corr) {
+    float mx[VF], sum[VF];
+    for (int j = 0; j < VF; j++) {
+        mx[j] = m[j];
+        sum[j] = 0.f;
+    }
+    for (int t = 0; t < n; t++)
+        for (int j = 0; j < VF; j++) mx[j] = S[t][j] > mx[j] ? S[t][j] : mx[j];
+    for (int t = 0; t < n; t++)
+        for (int j = 0; j < VF; j++) {
+            S[t][j] = expf(S[t][j] - mx[j]);
+            sum[j] += S[t][j];
+        }
+    for (int j = 0; j < VF; j++) {
+        corr[j] = expf(m[j] - mx[j]);
+        l[j] = l[j] * corr[j] + sum[j];
+        m[j] = mx[j];
+    }
+}
+#endif
+
+/* One tile: rows [r0, r0 + nr) of KV head h of segment s (D a constant where inlined). */
+static inline __attribute__((always_inline)) void attend_tile(const Segment *s, int h, int64_t r0, int nr, int D) {
+    const int G = s->H / s->Hkv;
+    const int64_t prefix = s->seq_len - s->q_len;
+    float Qt[MAX_D][VF] __attribute__((aligned(64)));
+    float Ot[MAX_D][VF] __attribute__((aligned(64)));
+    float S[KC][VF] __attribute__((aligned(64)));
+    float m[VF], l[VF], corr[VF], qpos[VF];
+    int64_t last = 0; /* the tile's last query position: keys past it are not read */
+    for (int j = 0; j < VF; j++) {
+        m[j] = -FLT_MAX;
+        l[j] = 0.f;
+        if (j < nr) {
+            const int64_t r = r0 + j, i = r / G;
+            const elem_t *qr = s->q + ((s->q_start + i) * s->H + h * G + r % G) * D;
+            for (int d = 0; d < D; d++) Qt[d][j] = ld(qr[d]) * s->scale;
+            qpos[j] = (float)(prefix + i);
+            last = prefix + i;
+        } else { /* a padding lane: zero scores, never masked, never written */
+            for (int d = 0; d < D; d++) Qt[d][j] = 0.f;
+            qpos[j] = (float)s->seq_len;
+        }
+    }
+    for (int d = 0; d < D; d++) *(vf *)Ot[d] = (vf){0};
+    const float first = qpos[0]; /* lanes are in position order: the first is the smallest */
+    const vf qposv = *(const vf *)qpos;
+
+    for (int64_t k0 = 0; k0 <= last; k0 += KC) {
+        const int n = last + 1 - k0 < KC ? (int)(last + 1 - k0) : KC;
+        const elem_t *kr[KC], *vr[KC];
+        chunk_rows(s, k0, n, h, kr, vr);
+        for (int t = n; t < KC; t++) kr[t] = kr[0];
+        /* scores, KEYS_AT_ONCE keys at a time */
+        for (int t0 = 0; t0 < n; t0 += KEYS_AT_ONCE) {
+            vf acc[KEYS_AT_ONCE];
+            for (int u = 0; u < KEYS_AT_ONCE; u++) acc[u] = (vf){0};
+            for (int d = 0; d < D; d++) {
+                const vf qd = *(const vf *)Qt[d];
+                for (int u = 0; u < KEYS_AT_ONCE; u++) acc[u] += ld(kr[t0 + u][d]) * qd;
+            }
+            for (int u = 0; u < KEYS_AT_ONCE && t0 + u < n; u++) *(vf *)S[t0 + u] = acc[u];
+        }
+        if (k0 + n - 1 > first) { /* the chunk reaches the diagonal: mask keys past each lane */
+            for (int t = 0; t < n; t++) {
+                const vi past = ((vf){0} + (float)(k0 + t)) > qposv;
+                *(vi *)S[t] = (*(vi *)S[t] & ~past) | ((vi)((vf){0} - FLT_MAX) & past);
+            }
+        }
+        chunk_softmax(S, n, m, l, corr);
+        const vf c = *(const vf *)corr;
+        /* values, DIMS_AT_ONCE head dims at a time */
+        for (int d0 = 0; d0 < D; d0 += DIMS_AT_ONCE) {
+            vf acc[DIMS_AT_ONCE];
+            for (int j = 0; j < DIMS_AT_ONCE; j++) acc[j] = *(const vf *)Ot[d0 + j] * c;
+            for (int t = 0; t < n; t++) {
+                const vf p = *(const vf *)S[t];
+                const elem_t *v = vr[t] + d0;
+                __asm__("" : "+r"(v)); /* (GCC would otherwise keep an offset register per dim) */
+                for (int j = 0; j < DIMS_AT_ONCE; j++) acc[j] += ld(v[j]) * p;
+            }
+            for (int j = 0; j < DIMS_AT_ONCE; j++) *(vf *)Ot[d0 + j] = acc[j];
+        }
+    }
+    for (int j = 0; j < nr; j++) {
+        const int64_t r = r0 + j, i = r / G;
+        elem_t *o = s->out + ((s->q_start + i) * s->H + h * G + r % G) * D;
+        const float inv = 1.f / l[j];
+        for (int d = 0; d < D; d++) o[d] = st(Ot[d][j] * inv);
+    }
+}
+
+static void tile(const Segment *s, int h, int64_t r0, int nr) {
+    if (s->D == 64)
+        attend_tile(s, h, r0, nr, 64);
+    else if (s->D == 128)
+        attend_tile(s, h, r0, nr, 128);
+    else
+        attend_tile(s, h, r0, nr, s->D);
+}
+
+/* 0 on success; -1 for shapes it does not take (the wrapper checks them first) or no memory. */
+int KERNEL(paged_prefill_attention)(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache,
+                                    const int64_t *tables, int table_width, const int64_t *segments,
+                                    int num_segments, elem_t *out, int H, int Hkv, int D, int block_size,
+                                    float scale) {
+    if (D > MAX_D || D % DIMS_AT_ONCE != 0 || Hkv <= 0 || H % Hkv != 0 || num_segments <= 0) return -1;
+    const int G = H / Hkv;
+    /* tile index -> (segment, KV head, first row): the first tile of each segment */
+    int64_t *first_tile = malloc(sizeof(int64_t) * (num_segments + 1));
+    if (!first_tile) return -1;
+    first_tile[0] = 0;
+    for (int i = 0; i < num_segments; i++) {
+        const int64_t rows = segments[3 * i + 1] * G;
+        first_tile[i + 1] = first_tile[i] + Hkv * ((rows + VF - 1) / VF);
+    }
+    const int64_t total = first_tile[num_segments];
+#pragma omp parallel
+    {
+        int seg = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < total; w++) {
+            while (w >= first_tile[seg + 1]) seg++; /* (each thread's w only grow) */
+            const int64_t *sg = segments + 3 * seg;
+            const Segment s = {q, k_cache, v_cache, out, tables + (int64_t)seg * table_width,
+                               sg[0], sg[1], sg[2], H, Hkv, D, block_size, scale};
+            const int64_t per_head = (sg[1] * G + VF - 1) / VF, local = w - first_tile[seg];
+            const int h = (int)(local / per_head);
+            const int64_t r0 = (local % per_head) * VF, rows = sg[1] * G;
+            tile(&s, h, r0, rows - r0 < VF ? (int)(rows - r0) : VF);
+        }
+    }
+    free(first_tile);
+    return 0;
+}
