@@ -104,7 +104,9 @@ class AttentionMetadata:
             meta.prefills.append(PrefillSegment(q_start, q_start + q_len, kv_slots.to(device), mask))
             q_start += q_len
         if meta.prefills:
-            segments = [(seg.q_start, seg.q_end - seg.q_start, int(s)) for seg, s in zip(meta.prefills, seq[num_decodes:])]
+            segments = [
+                (seg.q_start, seg.q_end - seg.q_start, int(s)) for seg, s in zip(meta.prefills, seq[num_decodes:])
+            ]
             meta.prefill_segments = torch.tensor(segments, dtype=torch.int64, device=device)
             meta.prefill_block_tables = torch.from_numpy(table[num_decodes:]).to(device)
         return meta

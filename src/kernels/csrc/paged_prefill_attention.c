@@ -230,7 +230,7 @@ int KERNEL(paged_prefill_attention)(const elem_t *q, const elem_t *k_cache, cons
         int seg = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < total; w++) {
-            while (w >= first_tile[seg + 1]) seg++; /* (each thread's w only grow) */
+            while (w >= first_tile[seg + 1]) seg++; /* (a thread's w only grows) */
             const int64_t *sg = segments + 3 * seg;
             const Segment s = {q, k_cache, v_cache, out, tables + (int64_t)seg * table_width,
                                sg[0], sg[1], sg[2], H, Hkv, D, block_size, scale};
