@@ -137,11 +137,8 @@ class CpuBackend(TorchBackend):
             if native is None:
                 flat = attention.flat_cache
                 out[:n] = attention.decode_attention(q[:n], flat(k_cache), flat(v_cache), meta, scale)
-        if meta.prefills and not (
-            meta.prefill_segments is not None
-            and cpu_kernels.paged_prefill_attention(
-                q, k_cache, v_cache, meta.prefill_segments, meta.prefill_block_tables, scale, out
-            )
+        if meta.prefills and not cpu_kernels.paged_prefill_attention(
+            q, k_cache, v_cache, meta.prefill_segments, meta.prefill_block_tables, scale, out
         ):
             attention.prefill_attention(q, k_cache, v_cache, meta, scale, out, k_new, v_new)
         return out
