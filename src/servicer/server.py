@@ -256,6 +256,8 @@ def _observability(engine_config: EngineConfig, server_config: ServerConfig, cli
         try:
             tracing = Tracing(server_config.otlp_traces_endpoint)
         except ImportError as e:
+            if metrics is not None:  # (start-up fails: no endpoint left serving)
+                metrics.close()
             raise ImportError(f"--enable-trace needs OpenTelemetry: pip install 'servicer[trace]' ({e})") from None
     return metrics, tracing
 
