@@ -72,6 +72,28 @@ static inline void chunk_rows(const Segment *s, int64_t k0, int n, int h, const 
     }
 }
 
+/* The chunk's K and V rows as floats: the cache's own rows in the fp32 build; in the bf16
+ * build widened once into kf and vf (n rows of D), so that the loops below broadcast floats
+ * straight from memory rather than widen an element per multiply-add. */
+static inline __attribute__((always_inline)) void chunk_floats(const elem_t **kc, const elem_t **vc, int n, int D,
+                                                               float *kf, float *vf, const float **kr,
+                                                               const float **vr) {
+#ifdef ELEM_BF16
+    for (int t = 0; t < n; t++) {
+        for (int d = 0; d < D; d++) kf[t * D + d] = ld(kc[t][d]);
+        for (int d = 0; d < D; d++) vf[t * D + d] = ld(vc[t][d]);
+        kr[t] = kf + t * D;
+        vr[t] = vf + t * D;
+    }
+#else
+    (void)D, (void)kf, (void)vf;
+    for (int t = 0; t < n; t++) {
+        kr[t] = kc[t];
+        vr[t] = vc[t];
+    }
+#endif
+}
+
 #ifdef __AVX512F__
 /* e^x for x <= 0 in 16 lanes: 2^(x log2 e) as 2^n * 2^f, |f| <= 1/2, 2^f by its Taylor
  * polynomial to degree 7 (relative error under 1e-8, below fp32's rounding), 2^n applied by
@@ -136,6 +158,11 @@ static inline __attribute__((always_inline)) void attend_tile(const Segment *s, 
     float Qt[MAX_D][VF] __attribute__((aligned(64)));
     float Ot[MAX_D][VF] __attribute__((aligned(64)));
     float S[KC][VF] __attribute__((aligned(64)));
+#ifdef ELEM_BF16
+    float kf[KC * MAX_D] __attribute__((aligned(64))), vf_[KC * MAX_D] __attribute__((aligned(64)));
+#else
+    float *kf = NULL, *vf_ = NULL;
+#endif
     float m[VF], l[VF], corr[VF], qpos[VF];
     int64_t last = 0; /* the tile's last query position: keys past it are not read */
     for (int j = 0; j < VF; j++) {
@@ -158,8 +185,10 @@ static inline __attribute__((always_inline)) void attend_tile(const Segment *s, 
 
     for (int64_t k0 = 0; k0 <= last; k0 += KC) {
         const int n = last + 1 - k0 < KC ? (int)(last + 1 - k0) : KC;
-        const elem_t *kr[KC], *vr[KC];
-        chunk_rows(s, k0, n, h, kr, vr);
+        const elem_t *kc[KC], *vc[KC];
+        chunk_rows(s, k0, n, h, kc, vc);
+        const float *kr[KC], *vr[KC];
+        chunk_floats(kc, vc, n, D, kf, vf_, kr, vr);
         for (int t = n; t < KC; t++) kr[t] = kr[0];
         /* scores, KEYS_AT_ONCE keys at a time */
         for (int t0 = 0; t0 < n; t0 += KEYS_AT_ONCE) {
@@ -167,7 +196,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Segment *s, 
             for (int u = 0; u < KEYS_AT_ONCE; u++) acc[u] = (vf){0};
             for (int d = 0; d < D; d++) {
                 const vf qd = *(const vf *)Qt[d];
-                for (int u = 0; u < KEYS_AT_ONCE; u++) acc[u] += ld(kr[t0 + u][d]) * qd;
+                for (int u = 0; u < KEYS_AT_ONCE; u++) acc[u] += kr[t0 + u][d] * qd;
             }
             for (int u = 0; u < KEYS_AT_ONCE && t0 + u < n; u++) *(vf *)S[t0 + u] = acc[u];
         }
@@ -185,9 +214,9 @@ static inline __attribute__((always_inline)) void attend_tile(const Segment *s, 
             for (int j = 0; j < DIMS_AT_ONCE; j++) acc[j] = *(const vf *)Ot[d0 + j] * c;
             for (int t = 0; t < n; t++) {
                 const vf p = *(const vf *)S[t];
-                const elem_t *v = vr[t] + d0;
+                const float *v = vr[t] + d0;
                 __asm__("" : "+r"(v)); /* (GCC would otherwise keep an offset register per dim) */
-                for (int j = 0; j < DIMS_AT_ONCE; j++) acc[j] += ld(v[j]) * p;
+                for (int j = 0; j < DIMS_AT_ONCE; j++) acc[j] += v[j] * p;
             }
             for (int j = 0; j < DIMS_AT_ONCE; j++) *(vf *)Ot[d0 + j] = acc[j];
         }
