@@ -300,14 +300,14 @@ class SchedulerLoop:
             return ControlReply(msg.call_id, False, message=f"{msg.method} failed; the daemon's log has the details")
 
 
-def _preload_tokenizer(model_path: str) -> None:
+def _preload_tokenizer(model: str) -> None:
+    from .model_source import resolve_model
     from .stop_strings import load_tokenizer
 
     try:
-        load_tokenizer(model_path)
+        load_tokenizer(resolve_model(model))
     except Exception as e:  # noqa: BLE001  (a stop request will be refused with the reason)
         logger.warning("no tokenizer for stop strings: %s", e)
-    gc.freeze()  # the tokenizer's objects too (no collect here: it would pause the step loop)
 
 
 def _close_sockets(ctx: zmq.Context, inbox: zmq.Socket, outbox: zmq.Socket, heartbeat: HeartbeatThread | None):
@@ -360,10 +360,16 @@ def main(argv: list[str] | None = None) -> int:
     def send(msg) -> None:
         outbox.send(from_scheduler_encoder.encode(msg))
 
+    # Stop strings need the tokenizer on the step loop. Loading it takes seconds (mostly
+    # importing transformers): done beside the model's load and finished before the daemon
+    # reports ready, rather than stall the first stop request or slow the first requests.
+    tokenizer = threading.Thread(target=_preload_tokenizer, args=(config.model,), name="tokenizer", daemon=True)
+    tokenizer.start()
     try:
         from .engine import Engine
 
         engine = Engine(config)
+        tokenizer.join()
         # What start-up made (model, kernels, imports) is kept for good: out of the cyclic
         # GC's sight, as vLLM does, a full collection no longer scans it (a pause of several
         # steps whenever one came due; docs/performance.md).
@@ -379,9 +385,6 @@ def main(argv: list[str] | None = None) -> int:
         _close_sockets(ctx, inbox, outbox, None)
         return 1
     logger.info("scheduler ready (pid %d)", os.getpid())
-    # Stop strings need the tokenizer on the step loop: load it now, beside it (seconds,
-    # mostly importing transformers), rather than stall every request on the first stop.
-    threading.Thread(target=_preload_tokenizer, args=(engine.runner.model_path,), name="tokenizer", daemon=True).start()
     heartbeat = None
     try:
         profile_dir = config.profile_dir or envs.profile_dir()
