@@ -73,20 +73,20 @@ static inline void chunk_rows(const Segment *s, int64_t k0, int n, int h, const 
 }
 
 /* The chunk's K and V rows as floats: the cache's own rows in the fp32 build; in the bf16
- * build widened once into kf and vf (n rows of D), so that the loops below broadcast floats
- * straight from memory rather than widen an element per multiply-add. */
+ * build widened once into kbuf and vbuf (n rows of D), so that the loops below broadcast
+ * floats straight from memory rather than widen an element per multiply-add. */
 static inline __attribute__((always_inline)) void chunk_floats(const elem_t **kc, const elem_t **vc, int n, int D,
-                                                               float *kf, float *vf, const float **kr,
+                                                               float *kbuf, float *vbuf, const float **kr,
                                                                const float **vr) {
 #ifdef ELEM_BF16
     for (int t = 0; t < n; t++) {
-        for (int d = 0; d < D; d++) kf[t * D + d] = ld(kc[t][d]);
-        for (int d = 0; d < D; d++) vf[t * D + d] = ld(vc[t][d]);
-        kr[t] = kf + t * D;
-        vr[t] = vf + t * D;
+        for (int d = 0; d < D; d++) kbuf[t * D + d] = ld(kc[t][d]);
+        for (int d = 0; d < D; d++) vbuf[t * D + d] = ld(vc[t][d]);
+        kr[t] = kbuf + t * D;
+        vr[t] = vbuf + t * D;
     }
 #else
-    (void)D, (void)kf, (void)vf;
+    (void)D, (void)kbuf, (void)vbuf;
     for (int t = 0; t < n; t++) {
         kr[t] = kc[t];
         vr[t] = vc[t];
@@ -159,9 +159,9 @@ static inline __attribute__((always_inline)) void attend_tile(const Segment *s, 
     float Ot[MAX_D][VF] __attribute__((aligned(64)));
     float S[KC][VF] __attribute__((aligned(64)));
 #ifdef ELEM_BF16
-    float kf[KC * MAX_D] __attribute__((aligned(64))), vf_[KC * MAX_D] __attribute__((aligned(64)));
+    float kbuf[KC * MAX_D] __attribute__((aligned(64))), vbuf[KC * MAX_D] __attribute__((aligned(64)));
 #else
-    float *kf = NULL, *vf_ = NULL;
+    float *kbuf = NULL, *vbuf = NULL;
 #endif
     float m[VF], l[VF], corr[VF], qpos[VF];
     int64_t last = 0; /* the tile's last query position: keys past it are not read */
@@ -188,7 +188,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Segment *s, 
         const elem_t *kc[KC], *vc[KC];
         chunk_rows(s, k0, n, h, kc, vc);
         const float *kr[KC], *vr[KC];
-        chunk_floats(kc, vc, n, D, kf, vf_, kr, vr);
+        chunk_floats(kc, vc, n, D, kbuf, vbuf, kr, vr);
         for (int t = n; t < KC; t++) kr[t] = kr[0];
         /* scores, KEYS_AT_ONCE keys at a time */
         for (int t0 = 0; t0 < n; t0 += KEYS_AT_ONCE) {
