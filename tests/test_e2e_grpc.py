@@ -323,6 +323,14 @@ def test_max_new_tokens_gives_length(grpc_stub, story, n, stream):
         assert len(c.output_ids) == n
 
 
+def test_the_stop_string_tokenizer_is_loaded_before_the_scheduler_reports_ready(daemon):
+    """Loaded after ready, on a thread beside the first requests, its import slowed them; the
+    daemon is ready only once it is loaded (the scheduler logs both, in order)."""
+    log = daemon.log_path.read_text(errors="replace")
+    loaded, ready = log.find("loading the tokenizer for stop strings"), log.find("scheduler ready")
+    assert 0 <= loaded < ready, daemon.log_tail(60)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_token_ids(grpc_stub, france, stream):
     """A stop token id ends the output with that token included (as EOS is, and as the

@@ -305,7 +305,11 @@ def _preload_tokenizer(model: str) -> None:
     from .stop_strings import load_tokenizer
 
     try:
-        load_tokenizer(resolve_model(model))
+        path = resolve_model(model)
+    except OSError:  # (the engine's start-up reports a model it cannot find)
+        return
+    try:
+        load_tokenizer(path)
     except Exception as e:  # noqa: BLE001  (a stop request will be refused with the reason)
         logger.warning("no tokenizer for stop strings: %s", e)
 
@@ -370,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
 
         engine = Engine(config)
         tokenizer.join()
-        # What start-up made (model, kernels, imports) is kept for good: out of the cyclic
+        # What start-up made (model, kernels, tokenizer, imports) is kept for good: out of the cyclic
         # GC's sight, as vLLM does, a full collection no longer scans it (a pause of several
         # steps whenever one came due; docs/performance.md).
         gc.collect()
