@@ -91,9 +91,52 @@ def test_linear_takes_the_packed_weight_past_few_rows_up_to_its_dtype_limit(dtyp
         pytest.skip(f"no packed GEMM for {dtype} in this torch build")
     w = torch.randn(160, 96).to(dtype)
     marked = pack_weight(2 * w)  # a packed weight that gives itself away
-    few, most = few_rows_max(dtype, packed=True), packed_max_rows(dtype)
+    few, most = few_rows_max(dtype, packed=True), packed_max_rows(dtype, marked)
     for rows in (1, few, few + 1, 256, 257, 512):
         x = torch.randn(rows, 96).to(dtype)
         ratio = (linear(x, w, packed=marked).float().norm() / F.linear(x, w).float().norm()).item()
         used = few < rows <= most
         assert ratio == pytest.approx(2.0 if used else 1.0, rel=0.02), rows
+
+
+amx = pytest.mark.skipif(not cpu_kernels.has_amx(), reason="no AMX tiles on this CPU")
+
+
+@amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 100, 256])  # whole and partial 16-row tiles, 32-row groups
+@pytest.mark.parametrize("shape", [(48, 32), (960, 576), (576, 1536)])  # an odd count of 16-column blocks; K of 1 tile
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_linear_matches_the_fp32_reference(rows, shape, with_bias):
+    """The AMX tile kernel (csrc/amx_linear.c), which ``linear`` takes for bf16 packed weights."""
+    n, k = shape
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if with_bias else None
+    out = cpu_kernels.amx_linear(x, cpu_kernels.amx_pack(w), b)
+    assert out is not None and out.shape == (rows, n) and out.is_contiguous()
+    # Both accumulate the same bf16 products in fp32 and round once (the order may differ).
+    expected = F.linear(x.float(), w.float(), None if b is None else b.float()).to(torch.bfloat16)
+    torch.testing.assert_close(out, expected)
+
+
+@amx
+def test_amx_linear_reads_rows_with_a_stride_and_declines_other_layouts():
+    w = torch.randn(64, 96).to(torch.bfloat16)
+    packed = cpu_kernels.amx_pack(w)
+    wide = torch.randn(20, 160).to(torch.bfloat16)
+    x = wide[:, 32:128]  # rows 160 elements apart
+    expected = F.linear(x.float(), w.float()).to(torch.bfloat16)
+    torch.testing.assert_close(cpu_kernels.amx_linear(x, packed), expected)
+    assert cpu_kernels.amx_linear(x.t().contiguous().t(), packed) is None  # column-major x
+    assert cpu_kernels.amx_linear(x.float(), packed) is None
+    assert cpu_kernels.amx_linear(x[:, :64], packed) is None  # K is not the weight's
+    assert cpu_kernels.amx_pack(torch.randn(40, 96).to(torch.bfloat16)) is None  # N % 16
+    assert cpu_kernels.amx_pack(torch.randn(64, 80).to(torch.bfloat16)) is None  # K % 32
+    assert cpu_kernels.amx_pack(w.float()) is None
+
+
+@amx
+def test_bf16_weights_are_packed_into_amx_tiles_where_they_tile():
+    assert pack_weight(torch.randn(64, 96).to(torch.bfloat16)).dim() == 5
+    assert pack_weight(torch.randn(40, 96).to(torch.bfloat16)).dim() == 2  # oneDNN's layout instead

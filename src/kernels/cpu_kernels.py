@@ -107,6 +107,7 @@ _SIGNATURES = {
     "silu_mul": (None, [_P, _I64, _I64, _P, _I64, _I32, _I32]),
     "qkv_rope_store": (None, [_P, _I64, _I64, _P, _P, _F32, _P, _P, _I64] + [_P] * 6 + [_I32] * 4),
     "few_rows_linear": (ctypes.c_int, [_P] * 4 + [_I32] * 3),
+    "amx_linear": (ctypes.c_int, [_P, _I64, _P, _P, _P, _I64] + [_I32] * 3),
 }
 
 
@@ -385,5 +386,51 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return None
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
     if kernel(_ptr(x), _ptr(weight), _ptr(bias), _ptr(out), x.shape[0], weight.shape[0], x.shape[1]) != 0:
+        return None
+    return out
+
+
+# -- bf16 projections on AMX tiles (csrc/amx_linear.c) -----------------------------------------
+AMX_TILE_ROWS, AMX_TILE_K = 16, 32  # a packed tile: 16 output columns x 32 elements of K
+
+
+@functools.cache
+def has_amx() -> bool:
+    """Whether bf16 projections can run on AMX tiles here: the CPU has them, the kernel
+    builds, and the kernel (Linux) grants this process the tile state."""
+    flags = _cpu_signature().split()
+    if not {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags):
+        return False
+    lib = load_library("amx_linear", torch.bfloat16)
+    return lib is not None and lib.amx_available() == 1
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bf16 weight ``[N, K]`` in the tile layout ``amx_linear`` reads,
+    ``[N/16, K/32, 16, 16, 2]`` (amx_linear.c), or None where the shapes do not tile."""
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or n % AMX_TILE_ROWS or k % AMX_TILE_K:
+        return None
+    tiles = weight.reshape(n // AMX_TILE_ROWS, AMX_TILE_ROWS, k // AMX_TILE_K, AMX_TILE_K // 2, 2)
+    return tiles.permute(0, 2, 3, 1, 4).contiguous()
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x @ weight.T + bias`` in bf16 from ``packed = amx_pack(weight)``; None where the
+    kernel does not apply (no AMX, other dtypes or strides)."""
+    n = packed.shape[0] * AMX_TILE_ROWS
+    k = packed.shape[1] * AMX_TILE_K
+    if (
+        x.dim() != 2
+        or x.shape[1] != k
+        or x.stride(1) != 1
+        or (bias is not None and (bias.shape != (n,) or not bias.is_contiguous()))
+        or not _cpu_elements(torch.bfloat16, x, packed, bias)
+        or not has_amx()
+    ):
+        return None
+    kernel = native_kernel("amx_linear", "amx_linear", torch.bfloat16)
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    if kernel(_ptr(x), x.stride(0), _ptr(packed), _ptr(bias), _ptr(out), n, x.shape[0], n, k) != 0:
         return None
     return out

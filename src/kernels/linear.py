@@ -13,10 +13,13 @@ Four shapes are slow with torch's CPU GEMMs as ``F.linear``, measured rather tha
   slower than the layer projections; column blocks of ``COLUMN_BLOCK`` weight rows, each
   written straight into its slice of the output, are faster and already row-major.
 * Decode batches and prefill chunks: a copy of the weight packed once into the GEMM's own
-  layout (``pack_weight``: MKL's packed sgemm in fp32, oneDNN's blocked layout in bf16) beats
-  the forms above past the few-row kernel, in fp32 at any row count (or matches them), in bf16
-  up to ``packed_max_rows`` (past it oneDNN's blocked layout loses to the plain GEMM on AMX); it
-  costs the weights' memory again, so ``resolve.py`` decides whether to keep it.
+  layout (``pack_weight``: MKL's packed sgemm in fp32; in bf16 the AMX tiles of
+  csrc/amx_linear.c where the CPU has them, else oneDNN's blocked layout) beats the forms above
+  past the few-row kernel, in fp32 and in AMX tiles at any row count (or matches them), in
+  oneDNN's bf16 layout up to ``packed_max_rows`` (past it the plain GEMM is faster); it costs the weights' memory
+  again, so ``resolve.py`` decides whether to keep it. On AMX a decode step's projections
+  are small GEMMs whose time in oneDNN is mostly its fixed cost per call; the tile kernel
+  has next to none.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 from . import cpu_kernels
 
 PACKED_MAX_ROWS = {torch.float32: sys.maxsize, torch.bfloat16: 256}  # rows up to which a packed weight is used
+# (AMX tiles: at any row count, as fast as torch's GEMM on prefill chunks and faster below)
 PACK_ROWS_HINT = 256  # the batch size the packing is tuned for (any batch may use it)
 TRANSPOSED_MAX_ROWS = 64
 COLUMN_BLOCK = 1024  # weight rows per block of a wide projection
@@ -56,7 +60,9 @@ def few_rows_max(dtype: torch.dtype, packed: bool) -> int:
     return FEW_ROWS_MAX.get((dtype, packed), 0)
 
 
-def packed_max_rows(dtype: torch.dtype) -> int:
+def packed_max_rows(dtype: torch.dtype, packed: torch.Tensor | None = None) -> int:
+    if packed is not None and is_amx_packed(packed):
+        return sys.maxsize
     return PACKED_MAX_ROWS.get(dtype, 0)
 
 
@@ -73,7 +79,16 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """A CPU weight ``[N, K]`` in the packed layout ``linear(..., packed=)`` takes."""
     if weight.dtype == torch.float32:
         return torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS_HINT)
+    if cpu_kernels.has_amx():
+        tiles = cpu_kernels.amx_pack(weight)
+        if tiles is not None:
+            return tiles
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+
+
+def is_amx_packed(packed: torch.Tensor) -> bool:
+    """Whether ``pack_weight`` made AMX tiles (5-D) rather than a GEMM library's layout (2-D)."""
+    return packed.dim() == 5
 
 
 def linear(
@@ -93,11 +108,15 @@ def linear(
         out = cpu_kernels.few_rows_linear(x, weight, bias)
         if out is not None:
             return out
-    if packed is not None and x.shape[0] <= packed_max_rows(x.dtype):
-        if x.dtype == torch.float32:
-            # (the batch size argument only guards a fallback: the packed layout fits any)
-            return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if packed is not None and x.shape[0] <= packed_max_rows(x.dtype, packed):
+        if not is_amx_packed(packed):
+            if x.dtype == torch.float32:
+                # (the batch size argument only guards a fallback: the packed layout fits any)
+                return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        out = cpu_kernels.amx_linear(x, packed, bias)
+        if out is not None:
+            return out
     if weight.shape[0] >= WIDE_MIN_COLUMNS:
         return _column_blocked(x, weight, bias) if x.dtype == torch.float32 else F.linear(x, weight, bias)
     if x.shape[0] <= TRANSPOSED_MAX_ROWS:

@@ -1,0 +1,152 @@
+/* bf16 projections on AMX tiles: out = x @ w.T (+ bias), accumulated in fp32.
+ *
+ * torch's bf16 GEMM (oneDNN) is fast on large batches but pays a fixed cost per call that
+ * dominates a decode step's small ones. Here the weights are packed once into the layout
+ * the tile multiply reads (``amx_pack`` in linear.py), so a call only walks the tiles:
+ *   - each thread owns a contiguous run of 16-column blocks of the output (the weight's
+ *     rows), taken two at a time;
+ *   - for each pair it runs over x in groups of 32 rows: two 16-row A tiles against the
+ *     pair's two B tiles, four 16x16 fp32 accumulator tiles, down the whole K; the pair's
+ *     weights come from memory for the first group and from L2 for the others;
+ *   - the accumulators go through a small fp32 buffer, get the bias and are rounded to
+ *     bf16 (nearest even) straight into ``out``.
+ *
+ * Packed weight layout (``w [N, K]`` bf16, N % 16 == 0, K % 32 == 0): tile (nb, kb) of 1 KiB
+ * at ((nb * K/32 + kb) * 16) rows of 32 elements, row kp holding, for n = 0..15, the pair
+ *   w[16 nb + n][32 kb + 2 kp], w[16 nb + n][32 kb + 2 kp + 1]
+ * (the "VNNI" pairing TDPBF16PS multiplies).
+ *
+ * Other layouts (row-major): x [M, K] with row stride x_stride, bias [N] or NULL,
+ * out [M, N] with row stride out_stride. Built for bf16 only; without AMX it exports
+ * ``amx_available`` = 0 and the caller keeps torch's GEMM.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "elem.h"
+
+#if defined(ELEM_BF16) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define TILE_ROWS 16
+#define TILE_K 32 /* bf16 elements of K per tile step (64 bytes a row) */
+
+/* Linux hands out the tile registers' state only to processes that ask for it. */
+int amx_available(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Tiles 0-3: accumulators (A row group a, B column block b at 2a + b); 4-5: A; 6-7: B. */
+static void configure(int rows0, int rows1) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, TILE_ROWS, TILE_ROWS};
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = (uint8_t)(rows[t] > 0 ? rows[t] : 1);
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Rows of one accumulator tile (+ bias) rounded into out[:, n0:n0+16]. */
+static void store_tile(const float *acc, int rows, const uint16_t *bias, uint16_t *out, int64_t out_stride) {
+    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16))
+                          : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        const __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b);
+        _mm256_storeu_si256((__m256i *)(out + r * out_stride), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
+                    int64_t out_stride, int M, int N, int K) {
+    if (N % 16 || K % TILE_K || M <= 0) return -1;
+    const int blocks = N / 16, ksteps = K / TILE_K;
+    const int64_t block_elems = (int64_t)ksteps * TILE_ROWS * TILE_K; /* one column block's tiles */
+#pragma omp parallel
+    {
+        const int threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int pairs = (blocks + 1) / 2;
+        const int first = (int)((int64_t)pairs * t / threads) * 2;
+        const int last = (int)((int64_t)pairs * (t + 1) / threads) * 2;
+        float acc[4][TILE_ROWS * 16];
+        int configured0 = -1, configured1 = -1;
+        const int groups = (M + 2 * TILE_ROWS - 1) / (2 * TILE_ROWS);
+        const int pair_lines = 2 * ksteps * TILE_ROWS; /* 64-byte lines of a pair's tiles */
+        const int lines_per_step = (pair_lines + groups * ksteps - 1) / (groups * ksteps);
+        const char *packed_end = (const char *)(packed + (int64_t)(last < blocks ? last : blocks) * block_elems);
+        for (int nb = first; nb < last && nb < blocks; nb += 2) {
+            const int two = nb + 1 < blocks;
+            const uint16_t *b0 = packed + nb * block_elems, *b1 = b0 + block_elems;
+            /* The next pair's tiles, fetched into L2 while this pair's are multiplied, spread
+             * over all its groups: memory stays busy while a group works from cache. */
+            const char *ahead = (const char *)(b0 + 2 * block_elems);
+            const char *ahead_end = ahead + (int64_t)pair_lines * 64 < packed_end ? ahead + (int64_t)pair_lines * 64 : packed_end;
+            for (int m0 = 0; m0 < M; m0 += 2 * TILE_ROWS) {
+                const int rows0 = M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS;
+                const int rest = M - m0 - TILE_ROWS, rows1 = rest <= 0 ? 0 : rest < TILE_ROWS ? rest : TILE_ROWS;
+                if (rows0 != configured0 || rows1 != configured1) {
+                    configure(rows0, rows1);
+                    configured0 = rows0, configured1 = rows1;
+                }
+                const uint16_t *a0 = x + m0 * x_stride, *a1 = a0 + TILE_ROWS * x_stride;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int kb = 0; kb < ksteps; kb++) {
+                    const int64_t k = (int64_t)kb * TILE_K, tile = (int64_t)kb * TILE_ROWS * TILE_K;
+                    _tile_loadd(4, a0 + k, x_stride * 2);
+                    for (int l = 0; l < lines_per_step && ahead < ahead_end; l++, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
+                    _tile_loadd(6, b0 + tile, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (two) {
+                        _tile_loadd(7, b1 + tile, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                    if (rows1) {
+                        _tile_loadd(5, a1 + k, x_stride * 2);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (two) _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, acc[0], 64);
+                if (two) _tile_stored(1, acc[1], 64);
+                if (rows1) {
+                    _tile_stored(2, acc[2], 64);
+                    if (two) _tile_stored(3, acc[3], 64);
+                }
+                uint16_t *o = out + m0 * out_stride + nb * 16;
+                const uint16_t *bb = bias ? bias + nb * 16 : NULL;
+                store_tile(acc[0], rows0, bb, o, out_stride);
+                if (two) store_tile(acc[1], rows0, bb ? bb + 16 : NULL, o + 16, out_stride);
+                if (rows1) {
+                    store_tile(acc[2], rows1, bb, o + TILE_ROWS * out_stride, out_stride);
+                    if (two) store_tile(acc[3], rows1, bb ? bb + 16 : NULL, o + TILE_ROWS * out_stride + 16, out_stride);
+                }
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
+
+#else
+int amx_available(void) { return 0; }
+
+int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
+                    int64_t out_stride, int M, int N, int K) {
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)out_stride, (void)M, (void)N, (void)K;
+    return -1;
+}
+#endif
