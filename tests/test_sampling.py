@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sampling import Penalties, SamplingTensors, sample, token_logprobs
+from kernels import cpu_kernels
+from kernels.sampling import Penalties, SamplingTensors, argmax_rows, sample, token_logprobs
 from scheduler.messages import SamplingParams
 from scheduler.request import Request
 from scheduler.sampling_batch import BatchSampler
@@ -590,3 +591,21 @@ def test_min_new_tokens_yields_to_a_grammar_that_can_only_end():
     logits = logits_of(2)
     logits[:, EOS] = -5.0  # EOS is not the argmax
     assert sample(logits, params).tolist() == [EOS, 7]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(64, 49152), (3, 1003), (2, 5)])  # whole 8-lane chunks; a tail; only a tail
+def test_argmax_rows_takes_the_first_maximum_of_each_row_as_torch_does(dtype, shape):
+    """The native argmax (csrc/row_argmax.c) greedy sampling takes on the CPU, ties included."""
+    g = torch.Generator().manual_seed(shape[1])
+    x = torch.randn(*shape, generator=g).to(dtype)
+    x[0, 1] = x[0, -1] = x[0].max() + 1  # a tie across lanes and the tail: the first wins
+    x[-1] = float("-inf")  # a row masked whole: index 0, as torch
+    wide = torch.zeros(shape[0], shape[1] + 3, dtype=dtype)
+    wide[:, : shape[1]] = x
+    for rows in (x, wide[:, : shape[1]]):  # contiguous, and rows a stride apart
+        native = cpu_kernels.row_argmax(rows)
+        assert native is not None and native.dtype == torch.int64
+        assert torch.equal(native, rows.max(dim=-1).indices)
+        assert torch.equal(argmax_rows(rows), native)
+    assert cpu_kernels.row_argmax(x.t()) is None  # columns a stride apart: torch's path

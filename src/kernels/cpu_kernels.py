@@ -108,6 +108,7 @@ _SIGNATURES = {
     "qkv_rope_store": (None, [_P, _I64, _I64, _P, _P, _F32, _P, _P, _I64] + [_P] * 6 + [_I32] * 4),
     "few_rows_linear": (ctypes.c_int, [_P] * 4 + [_I32] * 3),
     "amx_linear": (ctypes.c_int, [_P, _I64, _P, _P, _P, _I64] + [_I32] * 3),
+    "row_argmax": (None, [_P, _I64, _I32, _I32, _P]),
 }
 
 
@@ -433,4 +434,18 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
     if kernel(_ptr(x), x.stride(0), _ptr(packed), _ptr(bias), _ptr(out), n, x.shape[0], n, k) != 0:
         return None
+    return out
+
+
+# -- greedy sampling's argmax (csrc/row_argmax.c) ---------------------------------------------
+def row_argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """The index of each row's maximum of ``x [rows, n]`` (the first on ties) as int64, or
+    None where the kernel does not apply."""
+    if x.dim() != 2 or x.stride(1) != 1 or not _cpu_elements(x.dtype, x):
+        return None
+    kernel = native_kernel("row_argmax", "row_argmax", x.dtype)
+    if kernel is None:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    kernel(_ptr(x), x.stride(0), x.shape[0], x.shape[1], _ptr(out))
     return out
