@@ -252,12 +252,20 @@ def assert_native_prefill_matches_torch_path(reqs, heads, kv_heads, head_dim, bl
     )
     rows = slice(meta.num_decodes, None)
     assert out[: meta.num_decodes].isnan().all()  # the decode rows are not the kernel's
+    if dtype == torch.bfloat16 and head_dim == 64 and block_size % 16 == 0 and cpu_kernels.has_amx():
+        # On AMX tiles the probabilities are rounded to bf16 for P.V, as GPU flash attention
+        # rounds them: within twice the error of torch's own bf16 path from the fp32 reference.
+        torch_bf16 = torch.zeros_like(q)
+        attention.prefill_attention(q, k_cache, v_cache, meta, 0.125, torch_bf16)
+        error = (out[rows].float() - expected[rows]).abs().max()
+        assert error <= 2 * (torch_bf16[rows].float() - expected[rows]).abs().max(), error
+        return
     tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else {}
     torch.testing.assert_close(out[rows], expected[rows].to(dtype), **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (16, 128), (16, 32), (8, 64), (32, 48)])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (16, 128), (16, 32), (8, 64), (32, 48), (32, 64)])
 def test_native_prefill_kernel_matches_torch_path(dtype, block_size, head_dim):
     """Fresh prompts and chunks after a cached prefix (bottom-right causal), lengths around
     the kernel's 16-key chunks and block edges, one-token chunks, beside decode rows;
@@ -266,10 +274,11 @@ def test_native_prefill_kernel_matches_torch_path(dtype, block_size, head_dim):
     assert_native_prefill_matches_torch_path(reqs, 9, 3, head_dim, block_size, dtype, seed=6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [1, 2, 4, 7, 8])
-def test_native_prefill_kernel_query_head_groupings(group):
+def test_native_prefill_kernel_query_head_groupings(group, dtype):
     reqs = [(0, 45), (33, 20), (0, 3)]
-    assert_native_prefill_matches_torch_path(reqs, group * 2, 2, 64, 16, torch.float32, seed=7)
+    assert_native_prefill_matches_torch_path(reqs, group * 2, 2, 64, 16, dtype, seed=7)
 
 
 def test_native_prefill_kernel_declines_what_it_does_not_read():

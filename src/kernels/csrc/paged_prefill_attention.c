@@ -16,7 +16,8 @@
  * Keys past a lane's position are masked only in the chunks that reach the diagonal; chunks
  * past the tile's last position are never read. The tiles of a step are shared among the
  * threads dynamically (later rows of a chunk see more keys). Arithmetic is fp32 (elem.h widens
- * bf16 on load).
+ * bf16 on load); the bf16 build on a CPU with AMX runs the two products on tiles instead
+ * (attend_tile_amx).
  *
  * Layouts (all contiguous; elements fp32, or bf16 in the bf16 build):
  *   q, out        [T, H, D] (only the segments' rows are written)
@@ -151,6 +152,165 @@ static void chunk_softmax(float S[KC][VF], int n, float *m, float *l, float *cor
 }
 #endif
 
+
+#if defined(ELEM_BF16) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+/* The bf16 build on AMX tiles (head dim 64, blocks of a multiple of 16 keys): the products
+ * run on the tile unit, the online softmax stays as above. A tile attends 32 keys at a time:
+ *   S^T [16 keys][16 queries] = K [16 keys][64] . Q^T, twice: K straight from its cache
+ *            block (16 consecutive keys, rows Hkv * D apart), Q^T packed once per tile in
+ *            the pairs TDPBF16PS reads; S^T is exactly the S[t][lane] the softmax takes;
+ *   O [16 queries][64] += P^T [16 queries][32 keys] . V [32 keys][64]: P^T transposed and
+ *            rounded to bf16, V's rows interleaved in pairs; the product lands in fp32 and
+ *            joins O (in memory: the softmax rescales it every chunk).
+ * Tiles: 0, 1 scores (or 0, 1, 6, 7: the chunk's P.V); 2, 3 K (or P^T, V); 4, 5 Q^T. */
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_D 64
+#define AMX_KEYS 32
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_granted(void) {
+    static int granted = -1; /* (a benign race: every thread asks the same) */
+    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return granted;
+}
+
+static inline void tiles_configure(void) {
+    tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static void attend_tile_amx(const Segment *s, int h, int64_t r0, int nr) {
+    const int G = s->H / s->Hkv, D = AMX_D;
+    const int64_t prefix = s->seq_len - s->q_len, bs = s->block_size, key_stride = (int64_t)s->Hkv * D;
+    uint32_t qt[2][16][16] __attribute__((aligned(64)));   /* Q^T pairs: [dim half][dim pair][query] */
+    uint32_t pt[16][16] __attribute__((aligned(64)));      /* P^T: [query][key pair] */
+    uint32_t vv[4][16][16] __attribute__((aligned(64)));   /* V pairs: [16 dims][key pair][dim] */
+    float S[AMX_KEYS][16] __attribute__((aligned(64)));
+    float O[16][AMX_D] __attribute__((aligned(64)));
+    float pv[16][AMX_D] __attribute__((aligned(64)));
+    float m[16], l[16], corr[16], qpos[16];
+    int64_t last = 0;
+    for (int j = 0; j < 16; j++) {
+        m[j] = -FLT_MAX;
+        l[j] = 0.f;
+        const uint32_t *qr = NULL;
+        if (j < nr) {
+            const int64_t r = r0 + j, i = r / G;
+            qr = (const uint32_t *)(s->q + ((s->q_start + i) * s->H + h * G + r % G) * D);
+            qpos[j] = (float)(prefix + i);
+            last = prefix + i;
+        } else {
+            qpos[j] = (float)s->seq_len;
+        }
+        for (int half = 0; half < 2; half++)
+            for (int kp = 0; kp < 16; kp++) qt[half][kp][j] = qr ? qr[half * 16 + kp] : 0;
+    }
+    memset(O, 0, sizeof O);
+    const float first = qpos[0];
+    const vf qposv = *(const vf *)qpos;
+    const __m512 scale = _mm512_set1_ps(s->scale);
+    tiles_configure();
+    _tile_loadd(4, qt[0], 64);
+    _tile_loadd(5, qt[1], 64);
+    for (int64_t k0 = 0; k0 <= last; k0 += AMX_KEYS) {
+        const int n = last + 1 - k0 < AMX_KEYS ? (int)(last + 1 - k0) : AMX_KEYS;
+        const elem_t *krow[2], *vrow[2];
+        for (int half = 0; half * 16 < n; half++) {
+            const int64_t key = k0 + half * 16, at = ((s->table[key / bs] * bs + key % bs) * s->Hkv + h) * D;
+            krow[half] = s->k_cache + at;
+            vrow[half] = s->v_cache + at;
+        }
+        /* scores of the (up to) two 16-key halves */
+        _tile_zero(0);
+        _tile_loadd(2, krow[0], key_stride * 2);
+        _tile_loadd(3, krow[0] + 32, key_stride * 2);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(0, 3, 5);
+        _tile_stored(0, S[0], 64);
+        if (n > 16) {
+            _tile_zero(1);
+            _tile_loadd(2, krow[1], key_stride * 2);
+            _tile_loadd(3, krow[1] + 32, key_stride * 2);
+            _tile_dpbf16ps(1, 2, 4);
+            _tile_dpbf16ps(1, 3, 5);
+            _tile_stored(1, S[16], 64);
+        }
+        for (int t = 0; t < n; t++) _mm512_store_ps(S[t], _mm512_mul_ps(_mm512_load_ps(S[t]), scale));
+        if (k0 + n - 1 > first) {
+            for (int t = 0; t < n; t++) {
+                const vi past = ((vf){0} + (float)(k0 + t)) > qposv;
+                *(vi *)S[t] = (*(vi *)S[t] & ~past) | ((vi)((vf){0} - FLT_MAX) & past);
+            }
+        }
+        chunk_softmax(S, n, m, l, corr);
+        /* P^T in bf16 pairs (keys past n: zero), V's rows in pairs (past n: zero) */
+        for (int t = n; t < AMX_KEYS; t++) _mm512_store_ps(S[t], _mm512_setzero_ps());
+        for (int kp = 0; kp < 16; kp++) {
+            const __m512i even = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(S[2 * kp])));
+            const __m512i odd = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(S[2 * kp + 1])));
+            _mm512_store_si512(pt[kp], _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+        }
+        /* pt holds [key pair][query]: transpose to [query][key pair] */
+        uint32_t ptt[16][16] __attribute__((aligned(64)));
+        for (int q = 0; q < 16; q++)
+            for (int kp = 0; kp < 16; kp++) ptt[q][kp] = pt[kp][q];
+        for (int kp = 0; kp < 16; kp++) {
+            const int t = 2 * kp;
+            const uint16_t *a = t < n ? vrow[t / 16] + (int64_t)(t % 16) * key_stride : NULL;
+            const uint16_t *b = t + 1 < n ? vrow[(t + 1) / 16] + (int64_t)((t + 1) % 16) * key_stride : NULL;
+            for (int d16 = 0; d16 < 4; d16++) {
+                const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + d16 * 16))) : _mm512_setzero_si512();
+                const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + d16 * 16))) : _mm512_setzero_si512();
+                _mm512_store_si512(vv[d16][kp], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+        }
+        _tile_loadd(2, ptt, 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(6);
+        _tile_zero(7);
+        _tile_loadd(3, vv[0], 64);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_loadd(3, vv[1], 64);
+        _tile_dpbf16ps(1, 2, 3);
+        _tile_loadd(3, vv[2], 64);
+        _tile_dpbf16ps(6, 2, 3);
+        _tile_loadd(3, vv[3], 64);
+        _tile_dpbf16ps(7, 2, 3);
+        _tile_stored(0, &pv[0][0], AMX_D * 4);
+        _tile_stored(1, &pv[0][16], AMX_D * 4);
+        _tile_stored(6, &pv[0][32], AMX_D * 4);
+        _tile_stored(7, &pv[0][48], AMX_D * 4);
+        for (int q = 0; q < 16; q++) {
+            const __m512 c = _mm512_set1_ps(corr[q]);
+            for (int d = 0; d < AMX_D; d += 16)
+                _mm512_store_ps(&O[q][d], _mm512_fmadd_ps(_mm512_load_ps(&O[q][d]), c, _mm512_load_ps(&pv[q][d])));
+        }
+    }
+    _tile_release();
+    for (int j = 0; j < nr; j++) {
+        const int64_t r = r0 + j, i = r / G;
+        elem_t *o = s->out + ((s->q_start + i) * s->H + h * G + r % G) * D;
+        const float inv = 1.f / l[j];
+        for (int d = 0; d < D; d++) o[d] = st(O[j][d] * inv);
+    }
+}
+#define HAVE_AMX_TILE 1
+#endif
+
 /* One tile: rows [r0, r0 + nr) of KV head h of segment s (D a constant where inlined). */
 static inline __attribute__((always_inline)) void attend_tile(const Segment *s, int h, int64_t r0, int nr, int D) {
     const int G = s->H / s->Hkv;
@@ -230,6 +390,12 @@ static inline __attribute__((always_inline)) void attend_tile(const Segment *s, 
 }
 
 static void tile(const Segment *s, int h, int64_t r0, int nr) {
+#ifdef HAVE_AMX_TILE
+    if (s->D == AMX_D && s->block_size % 16 == 0 && amx_granted()) {
+        attend_tile_amx(s, h, r0, nr);
+        return;
+    }
+#endif
     if (s->D == 64)
         attend_tile(s, h, r0, nr, 64);
     else if (s->D == 128)
