@@ -1,7 +1,8 @@
 """Native CPU kernels: small C files in ``csrc/`` compiled on first use with the system C
 compiler (cached per source, flags and CPU), called through ctypes on tensor pointers.
 Each source is built once per element type, fp32 and bf16 (``csrc/elem.h``): bf16 halves
-the bytes every kernel moves, and the decode attention is bound by exactly that.
+the bytes every kernel moves, and the decode attention is bound by exactly that. (The AMX
+projections, ``amx_linear``, exist in bf16 only.)
 
 Each wrapper returns None when its kernel does not apply (not fp32/bf16 on the CPU, a
 layout it does not read, no compiler); the caller then takes the torch reference path.
