@@ -29,7 +29,7 @@
  * GCC vectorises neither the bf16 rounding of st() nor expf well on its own. (The fp32 build
  * is as fast as it is, and keeps libm's expf.) */
 #if defined(ELEM_BF16) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "exp_avx512.h"
 #define VEC16 1
 
 static inline __m512 load16(const elem_t *p) {
@@ -42,23 +42,6 @@ static inline __m512 round16(__m512 v) { /* R() of 16 lanes */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
 
-/* e^x: 2^(x log2 e) as 2^n * 2^f, |f| <= 1/2, 2^f by its Taylor polynomial to degree 7
- * (relative error under 1e-8), 2^n by vscalefps; x clamped to where fp32 stays finite. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f));
-    __m512 p = _mm512_set1_ps(1.f / 5040);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
 #endif
 
 void KERNEL(add_rms_norm)(const elem_t *x, int64_t rs, int64_t cs, elem_t *residual, const elem_t *weight,
@@ -116,7 +99,7 @@ void KERNEL(silu_mul)(const elem_t *a, int64_t stride, int64_t up, elem_t *out, 
 #ifdef VEC16
         for (; k + 16 <= inner; k += 16) {
             const __m512 x = load16(g + k);
-            const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+            const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
             store16(o + k, _mm512_mul_ps(round16(silu), load16(u + k)));
         }
 #endif

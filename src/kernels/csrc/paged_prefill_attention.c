@@ -34,7 +34,7 @@
 #include "elem.h"
 
 #ifdef __AVX512F__
-#include <immintrin.h>
+#include "exp_avx512.h"
 typedef float vf __attribute__((vector_size(64), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(64)));
 #define VF 16
@@ -96,35 +96,17 @@ static inline __attribute__((always_inline)) void chunk_floats(const elem_t **kc
 }
 
 #ifdef __AVX512F__
-/* e^x for x <= 0 in 16 lanes: 2^(x log2 e) as 2^n * 2^f, |f| <= 1/2, 2^f by its Taylor
- * polynomial to degree 7 (relative error under 1e-8, below fp32's rounding), 2^n applied by
- * vscalefps: a few FMAs inline instead of a call into libm's vector expf per vector. */
-static inline vf exp_nonpositive(vf x) {
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps((__m512)x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(1.44269504f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f)); /* f ln 2 */
-    __m512 p = _mm512_set1_ps(1.f / 5040);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return (vf)_mm512_scalef_ps(p, n);
-}
-
 /* The online softmax of one chunk's scores S [n][VF] (lane-wise): S becomes the
  * probabilities, m and l are updated, corr gets each lane's rescale of its earlier output. */
 static inline void chunk_softmax(float S[KC][VF], int n, float *m, float *l, float *corr) {
     __m512 mx = _mm512_loadu_ps(m), sum = _mm512_setzero_ps();
     for (int t = 0; t < n; t++) mx = _mm512_max_ps(mx, _mm512_load_ps(S[t]));
     for (int t = 0; t < n; t++) {
-        const vf p = exp_nonpositive((vf)_mm512_sub_ps(_mm512_load_ps(S[t]), mx));
+        const vf p = (vf)exp512(_mm512_sub_ps(_mm512_load_ps(S[t]), mx));
         *(vf *)S[t] = p;
         sum = _mm512_add_ps(sum, (__m512)p);
     }
-    const __m512 c = (__m512)exp_nonpositive((vf)_mm512_sub_ps(_mm512_loadu_ps(m), mx));
+    const __m512 c = exp512(_mm512_sub_ps(_mm512_loadu_ps(m), mx));
     _mm512_storeu_ps(corr, c);
     _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), c, sum));
     _mm512_storeu_ps(m, mx);
@@ -233,21 +215,19 @@ static void attend_tile_amx(const Segment *s, int h, int64_t r0, int nr) {
             krow[half] = s->k_cache + at;
             vrow[half] = s->v_cache + at;
         }
-        /* scores of the (up to) two 16-key halves */
-        _tile_zero(0);
-        _tile_loadd(2, krow[0], key_stride * 2);
-        _tile_loadd(3, krow[0] + 32, key_stride * 2);
-        _tile_dpbf16ps(0, 2, 4);
-        _tile_dpbf16ps(0, 3, 5);
-        _tile_stored(0, S[0], 64);
-        if (n > 16) {
-            _tile_zero(1);
-            _tile_loadd(2, krow[1], key_stride * 2);
-            _tile_loadd(3, krow[1] + 32, key_stride * 2);
-            _tile_dpbf16ps(1, 2, 4);
-            _tile_dpbf16ps(1, 3, 5);
-            _tile_stored(1, S[16], 64);
-        }
+        /* scores of the (up to) two 16-key halves: both dim halves of K against Q^T's */
+#define HALF_SCORES(acc, half)                                \
+    do {                                                      \
+        _tile_zero(acc);                                      \
+        _tile_loadd(2, krow[half], key_stride * 2);           \
+        _tile_loadd(3, krow[half] + 32, key_stride * 2);      \
+        _tile_dpbf16ps(acc, 2, 4);                            \
+        _tile_dpbf16ps(acc, 3, 5);                            \
+        _tile_stored(acc, S[16 * (half)], 64);                \
+    } while (0)
+        HALF_SCORES(0, 0);
+        if (n > 16) HALF_SCORES(1, 1);
+#undef HALF_SCORES
         for (int t = 0; t < n; t++) _mm512_store_ps(S[t], _mm512_mul_ps(_mm512_load_ps(S[t]), scale));
         if (k0 + n - 1 > first) {
             for (int t = 0; t < n; t++) {
