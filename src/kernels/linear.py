@@ -14,12 +14,12 @@ Four shapes are slow with torch's CPU GEMMs as ``F.linear``, measured rather tha
   written straight into its slice of the output, are faster and already row-major.
 * Decode batches and prefill chunks: a copy of the weight packed once into the GEMM's own
   layout (``pack_weight``: MKL's packed sgemm in fp32; in bf16 the AMX tiles of
-  csrc/amx_linear.c where the CPU has them, else oneDNN's blocked layout) beats the forms above
-  past the few-row kernel, in fp32 and in AMX tiles at any row count (or matches them), in
-  oneDNN's bf16 layout up to ``packed_max_rows`` (past it the plain GEMM is faster); it costs the weights' memory
-  again, so ``resolve.py`` decides whether to keep it. On AMX a decode step's projections
-  are small GEMMs whose time in oneDNN is mostly its fixed cost per call; the tile kernel
-  has next to none.
+  csrc/amx_linear.c where the CPU has them, else oneDNN's blocked layout) beats the forms
+  above past the few-row kernel: in fp32 and in AMX tiles at any row count (or matches them),
+  in oneDNN's bf16 layout up to ``packed_max_rows`` (past it the plain GEMM is faster). It
+  costs the weights' memory again, so ``resolve.py`` decides whether to keep it. On AMX a
+  decode step's projections are small GEMMs whose time in oneDNN is mostly its fixed cost
+  per call; the tile kernel has next to none.
 """
 
 from __future__ import annotations
