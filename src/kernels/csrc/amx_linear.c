@@ -2,7 +2,7 @@
  *
  * torch's bf16 GEMM (oneDNN) is fast on large batches but pays a fixed cost per call that
  * dominates a decode step's small ones. Here the weights are packed once into the layout
- * the tile multiply reads (``amx_pack`` in linear.py), so a call only walks the tiles:
+ * the tile multiply reads (``cpu_kernels.amx_pack``), so a call only walks the tiles:
  *   - each thread owns a contiguous run of 16-column blocks of the output (the weight's
  *     rows), taken two at a time;
  *   - for each pair it runs over x in groups of 32 rows: two 16-row A tiles against the
@@ -26,36 +26,19 @@
 #include "elem.h"
 
 #if defined(ELEM_BF16) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "amx_tiles.h"
+
 #define TILE_ROWS 16
 #define TILE_K 32 /* bf16 elements of K per tile step (64 bytes a row) */
 
-/* Linux hands out the tile registers' state only to processes that ask for it. */
-int amx_available(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
+int amx_available(void) { return amx_request_tiles(); }
 
 /* Tiles 0-3: accumulators (A row group a, B column block b at 2a + b); 4-5: A; 6-7: B. */
 static void configure(int rows0, int rows1) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
     const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, TILE_ROWS, TILE_ROWS};
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = (uint8_t)(rows[t] > 0 ? rows[t] : 1);
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    amx_configure(rows);
 }
 
 /* Rows of one accumulator tile (+ bias) rounded into out[:, n0:n0+16]. */

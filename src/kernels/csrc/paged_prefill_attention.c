@@ -145,40 +145,22 @@ static void chunk_softmax(float S[KC][VF], int n, float *m, float *l, float *cor
  *            rounded to bf16, V's rows interleaved in pairs; the product lands in fp32 and
  *            joins O (in memory: the softmax rescales it every chunk).
  * Tiles: 0, 1 scores (or 0, 1, 6, 7: the chunk's P.V); 2, 3 K (or P^T, V); 4, 5 Q^T. */
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 
 #define AMX_D 64
 #define AMX_KEYS 32
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 static int amx_granted(void) {
     static int granted = -1; /* (a benign race: every thread asks the same) */
-    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    if (granted < 0) granted = amx_request_tiles();
     return granted;
-}
-
-static inline void tiles_configure(void) {
-    tile_config cfg = {0};
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
 }
 
 static void attend_tile_amx(const Segment *s, int h, int64_t r0, int nr) {
     const int G = s->H / s->Hkv, D = AMX_D;
     const int64_t prefix = s->seq_len - s->q_len, bs = s->block_size, key_stride = (int64_t)s->Hkv * D;
     uint32_t qt[2][16][16] __attribute__((aligned(64)));   /* Q^T pairs: [dim half][dim pair][query] */
-    uint32_t pt[16][16] __attribute__((aligned(64)));      /* P^T: [query][key pair] */
+    uint32_t pt[16][16] __attribute__((aligned(64)));      /* P in bf16 pairs: [key pair][query] */
     uint32_t vv[4][16][16] __attribute__((aligned(64)));   /* V pairs: [16 dims][key pair][dim] */
     float S[AMX_KEYS][16] __attribute__((aligned(64)));
     float O[16][AMX_D] __attribute__((aligned(64)));
@@ -204,7 +186,8 @@ static void attend_tile_amx(const Segment *s, int h, int64_t r0, int nr) {
     const float first = qpos[0];
     const vf qposv = *(const vf *)qpos;
     const __m512 scale = _mm512_set1_ps(s->scale);
-    tiles_configure();
+    static const int all_rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    amx_configure(all_rows);
     _tile_loadd(4, qt[0], 64);
     _tile_loadd(5, qt[1], 64);
     for (int64_t k0 = 0; k0 <= last; k0 += AMX_KEYS) {
@@ -243,7 +226,7 @@ static void attend_tile_amx(const Segment *s, int h, int64_t r0, int nr) {
             const __m512i odd = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(S[2 * kp + 1])));
             _mm512_store_si512(pt[kp], _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
         }
-        /* pt holds [key pair][query]: transpose to [query][key pair] */
+        /* P^T, the A operand: [query][key pair] */
         uint32_t ptt[16][16] __attribute__((aligned(64)));
         for (int q = 0; q < 16; q++)
             for (int kp = 0; kp < 16; kp++) ptt[q][kp] = pt[kp][q];
