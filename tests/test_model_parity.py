@@ -181,7 +181,8 @@ def test_bundled_decode_layer_plans_equal_the_per_operation_path(bundled, dtype,
     """A decode step's layers as direct kernel calls (cpu_decode.LayerPlan) compute exactly
     what the per-operation path computes (same kernels, same order): the logits of 6 decode
     steps at 1, 3, 4 (bf16's few-row limit), 5 and 12 rows, with and without packed weights
-    (the projections past the few-row kernel go through linear.linear either way)."""
+    (past the few-row kernel the projections take linear.linear, or, on AMX-packed weights, the
+    tile kernel linear.linear would take)."""
     import copy
 
     from kernels import cpu_decode, cpu_kernels, linear

@@ -7,9 +7,9 @@ operations per step: a large share of one request's decode step, and a fixed cos
 larger one (docs/performance.md). Here what does not change is checked once: a layer's
 weights and KV cache when its :class:`LayerPlan` is built, the step's metadata once per step
 (:class:`DecodeStep`). A layer is then the kernels the per-operation path would pick
-(csrc/fused_ops.c, gemv.c, paged_decode_attention.c; ``linear.linear`` for projections of more
-rows than the few-row kernel takes), called on pointers, so it computes exactly what that path
-computes.
+(csrc/fused_ops.c, gemv.c, paged_decode_attention.c, amx_linear.c on AMX-packed weights;
+``linear.linear`` for other projections of more rows than the few-row kernel takes), called on
+pointers, so it computes exactly what that path computes.
 """
 
 from __future__ import annotations
@@ -108,18 +108,28 @@ class LayerPlan:
             and cpu_kernels.decode_attention_reads(heads, kv_heads, head_dim, k_cache.shape[1])
         ):
             return None
+        amx = dtype == torch.bfloat16 and cpu_kernels.has_amx()  # (packed weights may be AMX tiles)
+        kernels["amx"] = cpu_kernels.native_kernel("amx_linear", "amx_linear", dtype) if amx else None
         return LayerPlan(layer, kv_cache, dtype, kernels)
 
     def project(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Projection ``index`` (q|k|v, o, gate|up, down) of ``x``, in the form ``linear.linear``
-        picks: the few-row kernel called directly where it applies, else ``linear.linear`` itself
-        (whose result may stay column-major: the fused kernels read any strides)."""
+        picks: the few-row kernel or the AMX tile kernel called directly where they apply, else
+        ``linear.linear`` itself (whose result may stay column-major: the fused kernels read any
+        strides)."""
         proj = self.projections[index]
         weight, bias, packed = proj.weight, proj.bias, proj.packed_weight
         rows, (n, k) = x.shape[0], weight.shape
         if rows <= linear.few_rows_max(self.dtype, packed is not None) and x.is_contiguous():
             out = torch.empty(rows, n, dtype=self.dtype)
             if self.k["gemv"](x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), rows, n, k) == 0:
+                return out
+        elif self.k["amx"] is not None and packed is not None and linear.is_amx_packed(packed) and x.stride(1) == 1:
+            out = torch.empty(rows, n, dtype=self.dtype)
+            status = self.k["amx"](
+                x.data_ptr(), x.stride(0), packed.data_ptr(), _ptr(bias), out.data_ptr(), n, rows, n, k
+            )
+            if status == 0:
                 return out
         return linear.linear(x, weight, bias, False, packed)
 
