@@ -369,6 +369,12 @@ def has_avx512() -> bool:
     return "avx512f" in _cpu_signature().split()
 
 
+def has_avx512_bf16() -> bool:
+    """Whether the CPU has AVX512-BF16's dot product: the bf16 decode attention kernel then
+    multiplies bf16 pairs directly, its probabilities rounded to bf16 for P.V."""
+    return "avx512_bf16" in _cpu_signature().split()
+
+
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``x @ weight.T + bias`` for ``x [M <= 32, K]`` in one pass over the weights, which
     gemv.c streams faster than torch's GEMM does (docs/performance.md has numbers)."""

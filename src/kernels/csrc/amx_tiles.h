@@ -14,6 +14,13 @@ static inline int amx_request_tiles(void) {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 }
 
+/* amx_request_tiles, asked once per library (a benign race: every thread asks the same). */
+static inline int amx_granted(void) {
+    static int granted = -1;
+    if (granted < 0) granted = amx_request_tiles();
+    return granted;
+}
+
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];

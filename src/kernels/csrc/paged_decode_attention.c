@@ -8,16 +8,16 @@
  * Per KV block (block_size tokens) and KV head:
  *   scores  VF tokens at a time, each with its own vector accumulator (independent FMA
  *           chains), whose lanes are then summed for all VF tokens together (lane_sums);
- *   softmax online, fp32, per query head;
+ *   softmax online, fp32, per query head (VF lanes at a time with AVX-512);
  *   values  each token's V row is loaded once for several query heads of the group, whose
  *           output rows stay in registers across the block's tokens.
  * Both passes request the next block a line at a time as they go (see Prefetch). The GQA
  * query heads of a KV head reuse its K rows while they are in L1. The bf16 build
- * (-DELEM_BF16, elem.h) scores straight from the stored bf16 K rows with AVX512-BF16's dot
- * product where the CPU has it (and D % 32 == 0); otherwise it widens the block's K rows of
- * a head to fp32 once, into a small L1-resident buffer, and computes from there as the fp32
- * build does (widening in the inner loops would repeat it for every query head of the
- * group). V is always widened that way: its weights, the probabilities, are fp32.
+ * (-DELEM_BF16, elem.h) reads the stored bf16 K and V rows directly with AVX512-BF16's dot
+ * product where the CPU has it (and D % 32 == 0), scoring on AMX tiles where it has those
+ * (block_scores_amx); otherwise it widens the block's rows of a head to fp32 once, into a
+ * small L1-resident buffer, and computes from there as the fp32 build does (widening in the
+ * inner loops would repeat it for every query head of the group).
  * Vectors are GCC/Clang vector extensions (16 floats with AVX-512, else 8); head_dim 64 and
  * 128 get unrolled copies, other multiples of 8 a generic one. The kernel is bound by the
  * cache misses a core keeps in flight, which is what the scores layout and the prefetch
@@ -36,6 +36,9 @@
 #include <string.h>
 
 #include "elem.h"
+#ifdef __AVX512F__
+#include "exp_avx512.h"
+#endif
 
 #define MAX_HEADS 64 /* the wrapper also keeps head_dim <= 256: the per-thread buffers stay small */
 #define MAX_BLOCK 64
@@ -290,8 +293,7 @@ static inline void block_values(float *acc, const float *vb, int len, int row_st
 #define DPBF16 1
 /* The bf16 build where the CPU has AVX512-BF16 and D % 32 == 0: scores straight from the
  * stored bf16 K rows and query, the dot-product instruction multiplying 32 bf16 pairs
- * exactly and adding in fp32, so K is never widened. (V still is: its weights, the
- * probabilities, are fp32.) */
+ * exactly and adding in fp32, so K is never widened. */
 static inline __attribute__((always_inline)) vf dot_bf16(const elem_t *q, const elem_t *k, int D) {
     __m512 a = _mm512_setzero_ps();
     for (int j = 0; j < D; j += 32)
@@ -299,7 +301,182 @@ static inline __attribute__((always_inline)) vf dot_bf16(const elem_t *q, const 
     return (vf)a;
 }
 DEFINE_BLOCK_SCORES(block_scores_bf16, elem_t, dot_bf16)
+
+/* The values pass of the same build, straight from the stored bf16 V rows: the dot-product
+ * instruction takes a pair of tokens per step, so the probabilities are rounded to bf16 (as
+ * GPU flash attention rounds them for P.V) and each pair of V rows is interleaved into
+ * (row t, row t + 1) element pairs. The interleave works within 128-bit lanes, so an
+ * accumulator holds its 32 dims permuted: `lo` dims 0-3, 8-11, 16-19, 24-27, `hi` the
+ * others; to_pairs_order and from_pairs_order move an fp32 row of 32 between the orders.
+ * GC query heads at a time (NC = D / 32 chunks each), their accumulators in registers. */
+static inline void to_pairs_order(const float *a, __m512 *lo, __m512 *hi, float scale) {
+    const __m512 n0 = _mm512_loadu_ps(a), n1 = _mm512_loadu_ps(a + 16);
+    *lo = _mm512_mul_ps(_mm512_shuffle_f32x4(n0, n1, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_set1_ps(scale));
+    *hi = _mm512_mul_ps(_mm512_shuffle_f32x4(n0, n1, _MM_SHUFFLE(3, 1, 3, 1)), _mm512_set1_ps(scale));
+}
+
+static inline void from_pairs_order(__m512 lo, __m512 hi, float *a) {
+    const __m512 t0 = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 t1 = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
+    _mm512_storeu_ps(a, _mm512_shuffle_f32x4(t0, t0, _MM_SHUFFLE(3, 1, 2, 0)));
+    _mm512_storeu_ps(a + 16, _mm512_shuffle_f32x4(t1, t1, _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+/* Probability pairs (p[t], p[t + 1]) as bf16 pairs, one 32-bit word per pair of tokens. */
+static inline void probability_pairs(const float *p, int len, uint32_t *pairs) {
+    for (int t = 0; t < len; t += 32) {
+        const __m512 a = _mm512_load_ps(p + t), b = t + 16 < len ? _mm512_load_ps(p + t + 16) : _mm512_setzero_ps();
+        _mm512_storeu_si512(pairs + t / 2, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+}
+
+#define DEFINE_VALUES_BF16(NAME, NC, GC)                                                            \
+    static inline void NAME(float *acc, const elem_t *vb, int len, int row_stride, const float *corr, \
+                            const uint32_t (*pairs)[MAX_BLOCK / 2], Prefetch *pk, Prefetch *pv) {    \
+        static const elem_t zeros[32 * (NC)] __attribute__((aligned(64)));                         \
+        __m512 r[GC][2 * (NC)];                                                                     \
+        for (int g = 0; g < GC; g++)                                                                \
+            for (int c = 0; c < NC; c++)                                                            \
+                to_pairs_order(acc + (g * (NC) + c) * 32, &r[g][2 * c], &r[g][2 * c + 1], corr[g]); \
+        for (int t = 0; t < len; t += 2) {                                                          \
+            const elem_t *v0 = vb + (int64_t)t * row_stride, *v1 = t + 1 < len ? v0 + row_stride : zeros; \
+            prefetch_some(pk);                                                                      \
+            prefetch_some(pv);                                                                      \
+            __m512i w[GC];                                                                          \
+            for (int g = 0; g < GC; g++) w[g] = _mm512_set1_epi32((int)pairs[g][t / 2]);            \
+            for (int c = 0; c < NC; c++) {                                                          \
+                const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c); \
+                const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b);                          \
+                const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(a, b);                          \
+                for (int g = 0; g < GC; g++) {                                                      \
+                    r[g][2 * c] = _mm512_dpbf16_ps(r[g][2 * c], lo, (__m512bh)w[g]);                \
+                    r[g][2 * c + 1] = _mm512_dpbf16_ps(r[g][2 * c + 1], hi, (__m512bh)w[g]);        \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int g = 0; g < GC; g++)                                                                \
+            for (int c = 0; c < NC; c++) from_pairs_order(r[g][2 * c], r[g][2 * c + 1], acc + (g * (NC) + c) * 32); \
+    }
+
+DEFINE_VALUES_BF16(values_bf16_d64_g1, 2, 1)
+DEFINE_VALUES_BF16(values_bf16_d64_g2, 2, 2)
+DEFINE_VALUES_BF16(values_bf16_d64_g3, 2, 3)
+DEFINE_VALUES_BF16(values_bf16_d64_g4, 2, 4)
+DEFINE_VALUES_BF16(values_bf16_d128_g1, 4, 1)
+DEFINE_VALUES_BF16(values_bf16_d128_g2, 4, 2)
+DEFINE_VALUES_BF16(values_bf16_d32_g1, 1, 1)
+
+/* Calls of a block's bf16 values pass per pair of tokens (for the prefetch's share). */
+static inline int bf16_value_calls(int G, int D) { return D == 64 ? (G + 3) / 4 : D == 128 ? (G + 1) / 2 : G * D / 32; }
+
+static void block_values_bf16(float *acc, const elem_t *vb, int len, int row_stride, int G, int D,
+                              const float *corr, float s[][MAX_BLOCK], Prefetch *pk, Prefetch *pv) {
+    uint32_t pairs[MAX_HEADS][MAX_BLOCK / 2] __attribute__((aligned(64)));
+    for (int g = 0; g < G; g++) probability_pairs(s[g], len, pairs[g]);
+    const int heads = D == 64 ? 4 : D == 128 ? 2 : 1;
+    for (int g = 0; g < G; g += heads) {
+        const int n = G - g < heads ? G - g : heads;
+        float *a = acc + (int64_t)g * D;
+        if (D == 64) {
+            if (n == 4)
+                values_bf16_d64_g4(a, vb, len, row_stride, corr + g, pairs + g, pk, pv);
+            else if (n == 3)
+                values_bf16_d64_g3(a, vb, len, row_stride, corr + g, pairs + g, pk, pv);
+            else if (n == 2)
+                values_bf16_d64_g2(a, vb, len, row_stride, corr + g, pairs + g, pk, pv);
+            else
+                values_bf16_d64_g1(a, vb, len, row_stride, corr + g, pairs + g, pk, pv);
+        } else if (D == 128) {
+            if (n == 2)
+                values_bf16_d128_g2(a, vb, len, row_stride, corr + g, pairs + g, pk, pv);
+            else
+                values_bf16_d128_g1(a, vb, len, row_stride, corr + g, pairs + g, pk, pv);
+        } else {
+            for (int j = 0; j < n; j++) /* other multiples of 32: one chunk of 32 dims at a time */
+                for (int c = 0; c < D / 32; c++)
+                    values_bf16_d32_g1(a + (int64_t)j * D + 32 * c, vb + 32 * c, len, row_stride, corr + g + j,
+                                       pairs + g + j, pk, pv);
+        }
+    }
+}
 #endif
+
+#if defined(DPBF16) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+/* On AMX (bf16, blocks of a multiple of 16 rows, D % 32 == 0, G <= 16) the scores pass runs
+ * on the tile unit, where AVX512-BF16's dot product, a vector of 32 pairs at a time, and
+ * the lane sums after it took most of a block's compute. Per 16 rows of a block:
+ *   S^T [16 rows][16 heads] = K [16 rows][D] . Q^T, D / 32 products: K straight from the
+ *   cache (rows row_stride apart), Q^T packed once per request in the pairs TDPBF16PS reads
+ *   as its B operand (heads past G zero); then each head's column is gathered into its row
+ *   of s. Only G of the 16 columns carry a head: the tile unit has so much more throughput
+ *   than the vectors that the waste costs less than the vector products did.
+ * Tiles: 0 scores, 2 K, 3 Q^T. */
+#define AMX_SCORES 1
+#include "amx_tiles.h"
+
+/* The G query heads of one KV head (rows of q, D apart) as Q^T pairs: [D / 32][dim pair][head]. */
+static void pack_query_pairs(const elem_t *q, int G, int D, uint32_t (*qt)[16][16]) {
+    for (int c = 0; c < D / 32; c++)
+        for (int kp = 0; kp < 16; kp++)
+            for (int j = 0; j < 16; j++)
+                qt[c][kp][j] = j < G ? ((const uint32_t *)(q + (int64_t)j * D))[c * 16 + kp] : 0;
+}
+
+static inline void block_scores_amx(const uint32_t (*qt)[16][16], const elem_t *kb, int len, int row_stride, int G,
+                                    int D, float scale, float s[][MAX_BLOCK], Prefetch *pk, Prefetch *pv) {
+    float st[16][16] __attribute__((aligned(64)));
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    for (int t0 = 0; t0 < len; t0 += 16) {
+        _tile_zero(0);
+        for (int c = 0; c < D / 32; c++) {
+            _tile_loadd(2, kb + (int64_t)t0 * row_stride + 32 * c, row_stride * (int)sizeof(elem_t));
+            _tile_loadd(3, qt[c], 64);
+            _tile_dpbf16ps(0, 2, 3);
+        }
+        _tile_stored(0, st, 64);
+        for (int t = 0; t < 16; t++) {
+            prefetch_line(pk);
+            prefetch_line(pv);
+        }
+        for (int g = 0; g < G; g++)
+            _mm512_store_ps(s[g] + t0, _mm512_mul_ps(_mm512_i32gather_ps(column, &st[0][g], 4), _mm512_set1_ps(scale)));
+    }
+}
+#endif
+
+/* One query head's online softmax over a block's scores s[0, len): s becomes exp(s - the new
+ * max), with zeros past len up to the next multiple of VF (the bf16 values pass reads whole
+ * vectors); the running max m and sum l are updated; returns the rescale of the earlier
+ * output. */
+static inline float block_softmax(float *s, int len, float *m, float *l) {
+#ifdef __AVX512F__
+    __m512 mx = _mm512_set1_ps(*m), sum = _mm512_setzero_ps();
+    for (int t = 0; t < len; t += 16) {
+        const __mmask16 in = len - t >= 16 ? 0xffff : (__mmask16)((1u << (len - t)) - 1);
+        mx = _mm512_mask_max_ps(mx, in, mx, _mm512_load_ps(s + t));
+    }
+    const float mb = _mm512_reduce_max_ps(mx);
+    for (int t = 0; t < len; t += 16) {
+        const __mmask16 in = len - t >= 16 ? 0xffff : (__mmask16)((1u << (len - t)) - 1);
+        const __m512 p = _mm512_maskz_mov_ps(in, exp512(_mm512_sub_ps(_mm512_load_ps(s + t), _mm512_set1_ps(mb))));
+        _mm512_store_ps(s + t, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    const float total = _mm512_reduce_add_ps(sum);
+#else
+    float mb = *m, total = 0.f;
+    for (int t = 0; t < len; t++) mb = s[t] > mb ? s[t] : mb;
+    for (int t = 0; t < len; t++) {
+        s[t] = expf(s[t] - mb);
+        total += s[t];
+    }
+#endif
+    const float corr = expf(*m - mb);
+    *l = *l * corr + total;
+    *m = mb;
+    return corr;
+}
 
 /* Request i's attention over its KV blocks [b0, b1): the unnormalised output rows `acc`
  * [H * D] and each query head's online-softmax state (running max `m`, sum `l`). */
@@ -316,6 +493,15 @@ static void attend_blocks(const elem_t *q_i, const elem_t *k_cache, const elem_t
     float kv[block_size * D] __attribute__((aligned(64))); /* one block of K, then of V */
 #ifdef DPBF16
     const int dot_bf16 = D % 32 == 0;
+#endif
+#ifdef AMX_SCORES
+    const int on_tiles = dot_bf16 && block_size % 16 == 0 && G <= 16 && amx_granted();
+    uint32_t qt[on_tiles ? Hkv * D / 32 : 1][16][16] __attribute__((aligned(64)));
+    if (on_tiles) {
+        for (int h = 0; h < Hkv; h++) pack_query_pairs(q_i + (int64_t)h * G * D, G, D, qt + h * D / 32);
+        static const int rows[8] = {16, 0, 16, 16};
+        amx_configure(rows);
+    }
 #endif
 #else
     const float *qi = q_i;
@@ -341,8 +527,15 @@ static void attend_blocks(const elem_t *q_i, const elem_t *k_cache, const elem_t
          * values pass the rest over its calls (one per token and chunk of query heads). */
         const int64_t next = (b + 1 < b1 ? table[b + 1] : after) * block_size * row_stride;
         const int bytes = next >= 0 ? block_size * row_stride * (int)sizeof(elem_t) : 0;
-        const int score_lines = Hkv * G * ((len + VF - 1) / VF) * VF;
-        const int rest = bytes / 64 - score_lines, value_calls = Hkv * value_chunks(G, D) * len;
+        int score_lines = Hkv * G * ((len + VF - 1) / VF) * VF;
+#ifdef AMX_SCORES
+        if (on_tiles) score_lines = Hkv * (len + 15) / 16 * 16;
+#endif
+        int value_calls = Hkv * value_chunks(G, D) * len;
+#ifdef DPBF16
+        if (dot_bf16) value_calls = Hkv * bf16_value_calls(G, D) * ((len + 1) / 2);
+#endif
+        const int rest = bytes / 64 - score_lines;
         const int step = 64 * (rest > 0 ? (rest + value_calls - 1) / value_calls : 0);
         Prefetch pk = {(const char *)(k_cache + (next >= 0 ? next : 0)), 0, bytes, step};
         Prefetch pv = {(const char *)(v_cache + (next >= 0 ? next : 0)), 0, bytes, step};
@@ -351,6 +544,11 @@ static void attend_blocks(const elem_t *q_i, const elem_t *k_cache, const elem_t
             const elem_t *v_rows = v_cache + base * row_stride + (int64_t)h * D;
             float(*sh)[MAX_BLOCK] = s + h * G;
 #ifdef ELEM_BF16
+#ifdef AMX_SCORES
+            if (on_tiles)
+                block_scores_amx(qt + h * D / 32, k_rows, len, row_stride, G, D, scale, sh, &pk, &pv);
+            else
+#endif
 #ifdef DPBF16
             if (dot_bf16)
                 block_scores_bf16(q_i + (int64_t)h * G * D, k_rows, len, row_stride, G, D, scale, sh, &pk, &pv);
@@ -363,28 +561,26 @@ static void attend_blocks(const elem_t *q_i, const elem_t *k_cache, const elem_t
 #else
             block_scores(qi + (int64_t)h * G * D, k_rows, len, row_stride, G, D, scale, sh, &pk, &pv);
 #endif
-            for (int g = 0; g < G; g++) {
-                const int hq = h * G + g;
-                float mb = m[hq];
-                for (int t = 0; t < len; t++) mb = sh[g][t] > mb ? sh[g][t] : mb;
-                float sum = 0.f;
-                for (int t = 0; t < len; t++) {
-                    sh[g][t] = expf(sh[g][t] - mb);
-                    sum += sh[g][t];
-                }
-                corr[g] = expf(m[hq] - mb);
-                l[hq] = l[hq] * corr[g] + sum;
-                m[hq] = mb;
-            }
+            for (int g = 0; g < G; g++) corr[g] = block_softmax(sh[g], len, &m[h * G + g], &l[h * G + g]);
             float *ah = acc + (int64_t)h * G * D;
 #ifdef ELEM_BF16
-            widen_rows(v_rows, len, row_stride, D, kv); /* (K is done with the buffer) */
-            block_values(ah, kv, len, D, G, D, corr, sh, &pk, &pv);
+#ifdef DPBF16
+            if (dot_bf16)
+                block_values_bf16(ah, v_rows, len, row_stride, G, D, corr, sh, &pk, &pv);
+            else
+#endif
+            {
+                widen_rows(v_rows, len, row_stride, D, kv); /* (K is done with the buffer) */
+                block_values(ah, kv, len, D, G, D, corr, sh, &pk, &pv);
+            }
 #else
             block_values(ah, v_rows, len, row_stride, G, D, corr, sh, &pk, &pv);
 #endif
         }
     }
+#ifdef AMX_SCORES
+    if (on_tiles) _tile_release();
+#endif
 }
 
 /* ---- Shared prefixes (cascade attention) ----------------------------------------------------

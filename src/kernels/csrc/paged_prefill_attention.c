@@ -150,12 +150,6 @@ static void chunk_softmax(float S[KC][VF], int n, float *m, float *l, float *cor
 #define AMX_D 64
 #define AMX_KEYS 32
 
-static int amx_granted(void) {
-    static int granted = -1; /* (a benign race: every thread asks the same) */
-    if (granted < 0) granted = amx_request_tiles();
-    return granted;
-}
-
 static void attend_tile_amx(const Segment *s, int h, int64_t r0, int nr) {
     const int G = s->H / s->Hkv, D = AMX_D;
     const int64_t prefix = s->seq_len - s->q_len, bs = s->block_size, key_stride = (int64_t)s->Hkv * D;
