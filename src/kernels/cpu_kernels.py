@@ -110,6 +110,7 @@ _SIGNATURES = {
     "few_rows_linear": (ctypes.c_int, [_P] * 4 + [_I32] * 3),
     "amx_linear": (ctypes.c_int, [_P, _I64, _P, _P, _P, _I64] + [_I32] * 3),
     "row_argmax": (None, [_P, _I64, _I32, _I32, _P]),
+    "screened_argmax": (None, [_P, _I64, _P, _P, _P, _P, _I64, _P, _I32, _I32, _I32, _P]),
 }
 
 
@@ -455,4 +456,52 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor | None:
         return None
     out = torch.empty(x.shape[0], dtype=torch.int64)
     kernel(_ptr(x), x.stride(0), x.shape[0], x.shape[1], _ptr(out))
+    return out
+
+
+def screened_argmax(
+    approx: torch.Tensor,
+    s1: torch.Tensor,
+    s2: torch.Tensor,
+    bounds: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+) -> torch.Tensor | None:
+    """Each row's argmax of the fp32 logits ``hidden @ weight.T`` (the first on ties) from
+    their bf16 approximation ``approx [rows, n]`` and its error bounds (row_argmax.c:
+    ``screened_greedy.py`` derives them); None where the kernel does not apply."""
+    rows, n = approx.shape
+    if (
+        approx.dtype != torch.bfloat16
+        or approx.stride(1) != 1
+        or not _cpu_elements(torch.float32, s1, s2, bounds, hidden, weight)
+        or hidden.dim() != 2
+        or hidden.stride(1) != 1
+        or hidden.shape[0] != rows
+        or weight.shape != (n, hidden.shape[1])
+        or not weight.is_contiguous()
+        or s1.shape != (rows,)
+        or s2.shape != (rows,)
+        or bounds.shape != (2, n)
+        or not (s1.is_contiguous() and s2.is_contiguous() and bounds.is_contiguous())
+    ):
+        return None
+    kernel = native_kernel("row_argmax", "screened_argmax", torch.bfloat16)
+    if kernel is None:
+        return None
+    out = torch.empty(rows, dtype=torch.int64)
+    kernel(
+        _ptr(approx),
+        approx.stride(0),
+        _ptr(s1),
+        _ptr(s2),
+        _ptr(bounds),
+        _ptr(hidden),
+        hidden.stride(0),
+        _ptr(weight),
+        hidden.shape[1],
+        rows,
+        n,
+        _ptr(out),
+    )
     return out

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kernels.backend import create_backend
+from kernels.screened_greedy import ScreenedGreedyHead
 from kernels.triton_attention import decode_splits
 from kernels.util import cdiv
 
@@ -184,8 +185,18 @@ class ModelRunner:
             self.pooler = Pooler(spec, score)
         else:
             lm_head = functools.partial(self.model.compute_logits, self.backend) if tp is None else self._tp_logits
+            head = self.model.lm_head
+            greedy = None
+            if rc.cpu_screened_greedy and head is not None:
+                greedy = ScreenedGreedyHead.build(head.weight, head.bias)
             self.sampler = BatchSampler(
-                lm_head, self.device, self.generator, self.model_config.vocab_size, self.upload, rc.fused_sampling
+                lm_head,
+                self.device,
+                self.generator,
+                self.model_config.vocab_size,
+                self.upload,
+                rc.fused_sampling,
+                greedy_head=greedy,
             )
         self.graphs = None
         if rc.compile_kernels:

@@ -76,6 +76,9 @@ class ResolvedConfig:
     disaggregation: DisaggregationConfig | None = None  # None: mode null
     tp_size: int = 1
     pooling: PoolingSpec | None = None  # an embedding model's (pooling.py); None: it generates
+    # greedy rows of an fp32 CPU model take their argmax from a bf16 copy of the LM head and
+    # exact fp32 logits of the few tokens that can win (kernels/screened_greedy.py)
+    cpu_screened_greedy: bool = False
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -171,6 +174,7 @@ def resolve(
         disaggregation=config.disaggregation,
         tp_size=config.tp_size,
         pooling=pooling,
+        cpu_screened_greedy=backend == "cpu" and dtype == torch.float32 and config.tp_size == 1 and pooling is None,
     )
     if pooling is not None:
         logger.info("serving embeddings: %s", pooling.describe())

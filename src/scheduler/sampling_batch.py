@@ -11,7 +11,8 @@ The model runner calls :meth:`BatchSampler.run` after the forward pass. It
 * masks grammar-constrained rows with their xgrammar token bitmask (the request feeds
   the sampled token to its matcher when the scheduler records it);
 * samples every row in one vectorised pass (kernels.sampling), or takes the plain
-  argmax when every row is greedy with nothing to apply;
+  argmax when every row is greedy with nothing to apply (for an fp32 CPU model, from a
+  bf16 copy of the LM head and the exact logits of the few tokens that can win);
 * computes logprobs (of the raw logits, before any sampling transform), the prompt's and
   the sampled tokens', for the scheduler to record with the tokens.
 """
@@ -88,10 +89,13 @@ class BatchSampler:
         vocab_size: int,
         upload=None,
         fused_sampling: bool = False,
+        greedy_head=None,
     ):
         """``lm_head``: hidden rows ``[N, hidden]`` -> logits ``[N, vocab]`` (the model's, through
-        the runner's kernel backend)."""
+        the runner's kernel backend); ``greedy_head``: hidden rows -> their argmax tokens
+        without the whole head (kernels.screened_greedy), or None."""
         self.lm_head = lm_head
+        self.greedy_head = greedy_head
         self.device = device
         self.upload = upload or HostToDevice(device)  # host arrays -> device, never waiting for the GPU
         self.generator = generator
@@ -154,10 +158,14 @@ class BatchSampler:
             rows = hidden
         else:
             rows = hidden[self.upload(np.asarray(sample_rows, dtype=np.int64))]
-        logits = self.lm_head(rows)
         lp_rows = [i for i, r in enumerate(sampling) if r.output_logprobs is not None]
-        lp_values = logits[lp_rows].float().log_softmax(dim=-1) if lp_rows else None
         params = self.build(sampling)
+        if params.plain_greedy and not lp_rows and self.greedy_head is not None:
+            tokens = self.greedy_head(rows)
+            if tokens is not None:
+                return tokens, logprobs if logprobs.prompt else None
+        logits = self.lm_head(rows)
+        lp_values = logits[lp_rows].float().log_softmax(dim=-1) if lp_rows else None
         if params.plain_greedy:
             tokens = argmax_rows(logits)
         elif params.fused_temperature is not None:
