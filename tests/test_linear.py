@@ -137,6 +137,45 @@ def test_amx_linear_reads_rows_with_a_stride_and_declines_other_layouts():
 
 
 @amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 64, 100])
+@pytest.mark.parametrize("inner,k", [(1536, 576), (32, 64), (48, 96)])  # I / 16 odd: pairs split unevenly
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_gated_linear_is_the_projection_then_silu_mul(rows, inner, k, with_bias):
+    """``amx_linear(gated=True)`` on the gate|up weight packed in block pairs: the same bits
+    as the plain projection followed by silu_mul (fused_ops.c), which round where torch does."""
+    g = torch.Generator().manual_seed(rows + inner)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(2 * inner, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(2 * inner, generator=g).to(torch.bfloat16) if with_bias else None
+    gated_b = None if b is None else cpu_kernels.gated_pairs(b)
+    fused = cpu_kernels.amx_linear(x, cpu_kernels.amx_pack(cpu_kernels.gated_pairs(w)), gated_b, gated=True)
+    assert fused is not None and fused.shape == (rows, inner)
+    plain = cpu_kernels.amx_linear(x, cpu_kernels.amx_pack(w), b)
+    assert torch.equal(fused, cpu_kernels.silu_mul(plain))
+    reference = F.silu(plain[:, :inner]) * plain[:, inner:]  # torch's bf16 ops
+    torch.testing.assert_close(fused, reference)
+
+
+@amx
+def test_gated_projections_are_packed_for_the_fused_kernel_and_served_by_the_backend():
+    from kernels.backend import CpuBackend, Projection
+
+    g = torch.Generator().manual_seed(4)
+    proj = torch.nn.utils.skip_init(Projection, 64, 2 * 96, bias=False, dtype=torch.bfloat16)
+    proj.weight.data = torch.randn(192, 64, generator=g).to(torch.bfloat16)
+    proj.gated = True
+    backend = CpuBackend(torch.device("cpu"), 16, packed_weights=True)
+    backend.prepare_model(torch.nn.Sequential(proj))
+    assert proj.packed_gated is not None and proj.packed_weight is None
+    x = torch.randn(20, 64, generator=g).to(torch.bfloat16)
+    plain = F.linear(x.float(), proj.weight.float()).to(torch.bfloat16)
+    expected = F.silu(plain[:, :96]) * plain[:, 96:]
+    torch.testing.assert_close(backend.silu_mul_projection(x, proj), expected)
+    torch.testing.assert_close(backend.silu_mul_projection(x[:2], proj), expected[:2])  # few rows: unfused
+    torch.testing.assert_close(backend.project(x, proj), plain)  # the plain projection still works
+
+
+@amx
 def test_bf16_weights_are_packed_into_amx_tiles_where_they_tile():
     assert pack_weight(torch.randn(64, 96).to(torch.bfloat16)).dim() == 5
     assert pack_weight(torch.randn(40, 96).to(torch.bfloat16)).dim() == 2  # oneDNN's layout instead

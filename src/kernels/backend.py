@@ -37,9 +37,14 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 class Projection(nn.Linear):
     """A layer's dense projection; ``packed_weight`` is a backend's copy of the weight in its
-    GEMM's own layout (``CpuBackend.prepare_model``), None when it keeps none."""
+    GEMM's own layout (``CpuBackend.prepare_model``), None when it keeps none. A gated MLP's
+    fused gate|up projection is ``gated`` (rows: gate, then up); a backend may instead keep
+    ``packed_gated`` (and its bias), read only by ``silu_mul_projection``."""
 
     packed_weight: torch.Tensor | None = None
+    gated: bool = False
+    packed_gated: torch.Tensor | None = None
+    packed_gated_bias: torch.Tensor | None = None
 
 
 class TorchBackend:
@@ -79,6 +84,10 @@ class TorchBackend:
         consumer that reads any strides (the next call of this backend)."""
         return F.linear(x, proj.weight, proj.bias)
 
+    def silu_mul_projection(self, x: torch.Tensor, proj: Projection) -> torch.Tensor:
+        """``silu(gate) * up`` of a ``gated`` projection of ``x``."""
+        return self.silu_and_mul(self.project(x, proj, row_major=False))
+
     def decoder_layer(self, layer, rope: Rope, x, residual, kv_cache: KVCache, meta):
         """A whole decoder layer in a backend's own fused form, or None for the layer's own
         sequence of the operations above."""
@@ -104,11 +113,19 @@ class CpuBackend(TorchBackend):
         packed = 0
         for module in model.modules():
             if isinstance(module, Projection):
-                if self.packed_weights and module.packed_weight is None:
-                    module.packed_weight = linear.pack_weight(module.weight)
+                if not self.packed_weights:
+                    module.packed_weight = module.packed_gated = module.packed_gated_bias = None
+                elif module.packed_weight is None and module.packed_gated is None:
+                    gated = None
+                    if module.gated and module.weight.dtype == torch.bfloat16 and cpu_kernels.has_amx():
+                        gated = cpu_kernels.amx_pack(cpu_kernels.gated_pairs(module.weight))
+                    if gated is not None and gated.shape[0] % 2 == 0:
+                        # the AMX kernel's fused silu(gate) * up: this copy serves that alone
+                        module.packed_gated = gated
+                        module.packed_gated_bias = None if module.bias is None else cpu_kernels.gated_pairs(module.bias)
+                    else:
+                        module.packed_weight = linear.pack_weight(module.weight)
                     packed += module.weight.numel() * module.weight.element_size()
-                elif not self.packed_weights:
-                    module.packed_weight = None
         if packed:
             logger.info("projections packed for CPU batches (+%.2f GiB)", packed / 2**30)
 
@@ -153,6 +170,13 @@ class CpuBackend(TorchBackend):
 
     def project(self, x: torch.Tensor, proj: Projection, row_major: bool = True) -> torch.Tensor:
         return linear.linear(x, proj.weight, proj.bias, row_major, proj.packed_weight)
+
+    def silu_mul_projection(self, x: torch.Tensor, proj: Projection) -> torch.Tensor:
+        if proj.packed_gated is not None and x.dim() == 2 and x.shape[0] > linear.few_rows_max(x.dtype, True):
+            out = cpu_kernels.amx_linear(x, proj.packed_gated, proj.packed_gated_bias, gated=True)
+            if out is not None:
+                return out
+        return super().silu_mul_projection(x, proj)
 
     def decoder_layer(self, layer, rope: Rope, x, residual, kv_cache: KVCache, meta):
         """A decode-only step's layer as its native kernels called directly (``cpu_decode``);

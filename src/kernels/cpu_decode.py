@@ -127,11 +127,41 @@ class LayerPlan:
         elif self.k["amx"] is not None and packed is not None and linear.is_amx_packed(packed) and x.stride(1) == 1:
             out = torch.empty(rows, n, dtype=self.dtype)
             status = self.k["amx"](
-                x.data_ptr(), x.stride(0), packed.data_ptr(), _ptr(bias), out.data_ptr(), n, rows, n, k
+                x.data_ptr(), x.stride(0), packed.data_ptr(), _ptr(bias), out.data_ptr(), n, rows, n, k, 0
             )
             if status == 0:
                 return out
         return linear.linear(x, weight, bias, False, packed)
+
+    def gate_up_silu(self, h: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of the fused gate|up projection: in one AMX tile kernel where
+        the backend packed the weight for it (past the few-row kernel), else the projection,
+        then silu_mul."""
+        proj = self.projections[2]
+        rows, (n, k) = h.shape[0], proj.weight.shape
+        if (
+            self.k["amx"] is not None
+            and proj.packed_gated is not None
+            and rows > linear.few_rows_max(self.dtype, True)
+            and h.stride(1) == 1
+        ):
+            out = torch.empty(rows, n // 2, dtype=self.dtype)
+            bias = proj.packed_gated_bias
+            status = self.k["amx"](
+                h.data_ptr(),
+                h.stride(0),
+                proj.packed_gated.data_ptr(),
+                _ptr(bias),
+                out.data_ptr(),
+                n // 2,
+                rows,
+                n,
+                k,
+                1,
+            )
+            if status == 0:
+                return out
+        return self.silu_mul(self.project(h, 2))
 
     def norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``rms_norm(x)``, or ``rms_norm(x + residual)`` with ``residual`` updated in place."""
@@ -207,7 +237,7 @@ class LayerPlan:
             attn = attention.decode_attention(q, flat_k, flat_v, meta, self.scale)
         o = self.project(attn.view(rows, -1), 1)
         h = self.norm(o, residual, self.norm2, self.norm2_eps)
-        return self.project(self.silu_mul(self.project(h, 2)), 3), residual
+        return self.project(self.gate_up_silu(h), 3), residual
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -108,7 +108,7 @@ _SIGNATURES = {
     "silu_mul": (None, [_P, _I64, _I64, _P, _I64, _I32, _I32]),
     "qkv_rope_store": (None, [_P, _I64, _I64, _P, _P, _F32, _P, _P, _I64] + [_P] * 6 + [_I32] * 4),
     "few_rows_linear": (ctypes.c_int, [_P] * 4 + [_I32] * 3),
-    "amx_linear": (ctypes.c_int, [_P, _I64, _P, _P, _P, _I64] + [_I32] * 3),
+    "amx_linear": (ctypes.c_int, [_P, _I64, _P, _P, _P, _I64] + [_I32] * 4),
     "row_argmax": (None, [_P, _I64, _I32, _I32, _P]),
     "screened_argmax": (None, [_P, _I64, _P, _P, _P, _P, _I64, _P, _I32, _I32, _I32, _P]),
 }
@@ -424,9 +424,22 @@ def amx_pack(weight: torch.Tensor) -> torch.Tensor | None:
     return tiles.permute(0, 2, 3, 1, 4).contiguous()
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``x @ weight.T + bias`` in bf16 from ``packed = amx_pack(weight)``; None where the
-    kernel does not apply (no AMX, other dtypes or strides)."""
+def gated_pairs(t: torch.Tensor) -> torch.Tensor:
+    """A gated MLP's fused gate|up rows (``[2I, ...]``: gate, then up) reordered so that each
+    block of 16 gate rows sits before its 16 up rows, the pairs ``amx_linear(gated=True)``
+    reads (I % 16 == 0)."""
+    inner = t.shape[0] // 2
+    return t.reshape(2, inner // AMX_TILE_ROWS, AMX_TILE_ROWS, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def amx_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+) -> torch.Tensor | None:
+    """``x @ weight.T + bias`` in bf16 from ``packed = amx_pack(weight)``; with ``gated``,
+    ``silu(gate) * up`` ``[M, N/2]`` of a fused gate|up weight packed as
+    ``amx_pack(gated_pairs(weight))`` (bias ``gated_pairs(bias)``), rounded as the projection
+    and silu_mul would round them. None where the kernel does not apply (no AMX, other
+    dtypes or strides)."""
     n = packed.shape[0] * AMX_TILE_ROWS
     k = packed.shape[1] * AMX_TILE_K
     if (
@@ -434,13 +447,15 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
         or x.shape[1] != k
         or x.stride(1) != 1
         or (bias is not None and (bias.shape != (n,) or not bias.is_contiguous()))
+        or (gated and n % (2 * AMX_TILE_ROWS))
         or not _cpu_elements(torch.bfloat16, x, packed, bias)
         or not has_amx()
     ):
         return None
     kernel = native_kernel("amx_linear", "amx_linear", torch.bfloat16)
-    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    if kernel(_ptr(x), x.stride(0), _ptr(packed), _ptr(bias), _ptr(out), n, x.shape[0], n, k) != 0:
+    width = n // 2 if gated else n
+    out = torch.empty(x.shape[0], width, dtype=torch.bfloat16)
+    if kernel(_ptr(x), x.stride(0), _ptr(packed), _ptr(bias), _ptr(out), width, x.shape[0], n, k, int(gated)) != 0:
         return None
     return out
 

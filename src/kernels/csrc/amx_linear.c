@@ -9,7 +9,9 @@
  *     pair's two B tiles, four 16x16 fp32 accumulator tiles, down the whole K; the pair's
  *     weights come from memory for the first group and from L2 for the others;
  *   - the accumulators go through a small fp32 buffer, get the bias and are rounded to
- *     bf16 (nearest even) straight into ``out``.
+ *     bf16 (nearest even) straight into ``out``; or, for a gated MLP's fused gate|up
+ *     projection packed with each gate block beside its up block (``gated``), become
+ *     silu(gate) * up there: the [M, N] projection is never written or read back.
  *
  * Packed weight layout (``w [N, K]`` bf16, N % 16 == 0, K % 32 == 0): tile (nb, kb) of 1 KiB
  * at ((nb * K/32 + kb) * 16) rows of 32 elements, row kp holding, for n = 0..15, the pair
@@ -29,6 +31,7 @@
 #include <omp.h>
 
 #include "amx_tiles.h"
+#include "exp_avx512.h"
 
 #define TILE_ROWS 16
 #define TILE_K 32 /* bf16 elements of K per tile step (64 bytes a row) */
@@ -51,9 +54,28 @@ static void store_tile(const float *acc, int rows, const uint16_t *bias, uint16_
     }
 }
 
+/* 16 bf16 values -> 16 floats, and a float vector rounded to bf16 and back. */
+static inline __m512 widen16(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
+static inline __m512 round16(__m512 x) { return widen16((__m256i)_mm512_cvtneps_pbh(x)); }
+
+/* Gated pairs: out[:, 16 j : 16 j + 16] = silu(gate) * up from the accumulators of a gate
+ * block and its up block, each rounded to bf16 first and silu rounded before the product,
+ * exactly as the projection's bf16 output and then silu_mul (fused_ops.c) compute it. */
+static void store_gated_tile(const float *gate, const float *up, int rows, const uint16_t *bias, uint16_t *out,
+                             int64_t out_stride) {
+    const __m512 bg = bias ? widen16(_mm256_loadu_si256((const __m256i *)bias)) : _mm512_setzero_ps();
+    const __m512 bu = bias ? widen16(_mm256_loadu_si256((const __m256i *)(bias + 16))) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        const __m512 g = round16(_mm512_add_ps(_mm512_loadu_ps(gate + r * 16), bg));
+        const __m512 u = round16(_mm512_add_ps(_mm512_loadu_ps(up + r * 16), bu));
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm256_storeu_si256((__m256i *)(out + r * out_stride), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round16(silu), u)));
+    }
+}
+
 int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
-                    int64_t out_stride, int M, int N, int K) {
-    if (N % 16 || K % TILE_K || M <= 0) return -1;
+                    int64_t out_stride, int M, int N, int K, int gated) {
+    if (N % 16 || K % TILE_K || M <= 0 || (gated && N % 32)) return -1;
     const int blocks = N / 16, ksteps = K / TILE_K;
     const int64_t block_elems = (int64_t)ksteps * TILE_ROWS * TILE_K; /* one column block's tiles */
 #pragma omp parallel
@@ -109,8 +131,14 @@ int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                     _tile_stored(2, acc[2], 64);
                     if (two) _tile_stored(3, acc[3], 64);
                 }
-                uint16_t *o = out + m0 * out_stride + nb * 16;
                 const uint16_t *bb = bias ? bias + nb * 16 : NULL;
+                if (gated) { /* (blocks nb, nb + 1: a gate block and its up block) */
+                    uint16_t *o = out + m0 * out_stride + nb / 2 * 16;
+                    store_gated_tile(acc[0], acc[1], rows0, bb, o, out_stride);
+                    if (rows1) store_gated_tile(acc[2], acc[3], rows1, bb, o + TILE_ROWS * out_stride, out_stride);
+                    continue;
+                }
+                uint16_t *o = out + m0 * out_stride + nb * 16;
                 store_tile(acc[0], rows0, bb, o, out_stride);
                 if (two) store_tile(acc[1], rows0, bb ? bb + 16 : NULL, o + 16, out_stride);
                 if (rows1) {
@@ -128,8 +156,8 @@ int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
 int amx_available(void) { return 0; }
 
 int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
-                    int64_t out_stride, int M, int N, int K) {
-    (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)out_stride, (void)M, (void)N, (void)K;
+                    int64_t out_stride, int M, int N, int K, int gated) {
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)out_stride, (void)M, (void)N, (void)K, (void)gated;
     return -1;
 }
 #endif

@@ -81,11 +81,11 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None):
         super().__init__()
         self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, dtype)
+        self.gate_up_proj.gated = True  # (rows: gate, then up)
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype)
 
     def forward(self, ops: TorchBackend, x: torch.Tensor) -> torch.Tensor:
-        act = ops.silu_and_mul(ops.project(x, self.gate_up_proj, row_major=False))
-        return ops.project(act, self.down_proj, row_major=False)
+        return ops.project(ops.silu_mul_projection(x, self.gate_up_proj), self.down_proj, row_major=False)
 
 
 class DecoderLayer(nn.Module):
