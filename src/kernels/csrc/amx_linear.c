@@ -35,6 +35,7 @@
 
 #define TILE_ROWS 16
 #define TILE_K 32 /* bf16 elements of K per tile step (64 bytes a row) */
+#define RUNS_PER_THREAD 4
 
 int amx_available(void) { return amx_request_tiles(); }
 
@@ -78,18 +79,22 @@ int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
     if (N % 16 || K % TILE_K || M <= 0 || (gated && N % 32)) return -1;
     const int blocks = N / 16, ksteps = K / TILE_K;
     const int64_t block_elems = (int64_t)ksteps * TILE_ROWS * TILE_K; /* one column block's tiles */
+    const int pairs = (blocks + 1) / 2;
+    /* Runs of pairs handed out as threads free up, several per thread: a thread the OS
+     * preempts (the servicer beside the scheduler on a small machine) leaves its runs to
+     * the others instead of holding them all at the end of the call. */
+    const int runs = pairs < RUNS_PER_THREAD * omp_get_max_threads() ? pairs : RUNS_PER_THREAD * omp_get_max_threads();
+    const char *packed_end = (const char *)(packed + (int64_t)blocks * block_elems);
 #pragma omp parallel
     {
-        const int threads = omp_get_num_threads(), t = omp_get_thread_num();
-        const int pairs = (blocks + 1) / 2;
-        const int first = (int)((int64_t)pairs * t / threads) * 2;
-        const int last = (int)((int64_t)pairs * (t + 1) / threads) * 2;
         float acc[4][TILE_ROWS * 16];
         int configured0 = -1, configured1 = -1;
         const int groups = (M + 2 * TILE_ROWS - 1) / (2 * TILE_ROWS);
         const int pair_lines = 2 * ksteps * TILE_ROWS; /* 64-byte lines of a pair's tiles */
         const int lines_per_step = (pair_lines + groups * ksteps - 1) / (groups * ksteps);
-        const char *packed_end = (const char *)(packed + (int64_t)(last < blocks ? last : blocks) * block_elems);
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int run = 0; run < runs; run++) {
+        const int first = (int)((int64_t)pairs * run / runs) * 2, last = (int)((int64_t)pairs * (run + 1) / runs) * 2;
         for (int nb = first; nb < last && nb < blocks; nb += 2) {
             const int two = nb + 1 < blocks;
             const uint16_t *b0 = packed + nb * block_elems, *b1 = b0 + block_elems;
@@ -146,6 +151,7 @@ int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                     if (two) store_tile(acc[3], rows1, bb ? bb + 16 : NULL, o + TILE_ROWS * out_stride + 16, out_stride);
                 }
             }
+        }
         }
         _tile_release();
     }
