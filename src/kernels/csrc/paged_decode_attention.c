@@ -242,19 +242,18 @@ static inline int value_chunks(int G, int D) {
     return (G + heads - 1) / heads;
 }
 
+/* NAME##_g<n>(...) for n = 1-4 heads (the copies of a values pass by head count). */
+#define BY_HEADS(n, NAME, ...)                                                                      \
+    ((n) == 4   ? NAME##_g4(__VA_ARGS__)                                                            \
+     : (n) == 3 ? NAME##_g3(__VA_ARGS__)                                                            \
+     : (n) == 2 ? NAME##_g2(__VA_ARGS__)                                                            \
+                : NAME##_g1(__VA_ARGS__))
+
 static inline void block_values_d64(float *acc, const float *vb, int len, int row_stride, int G, int D,
                                     const float *corr, float s[][MAX_BLOCK], Prefetch *pk, Prefetch *pv) {
     for (int g = 0; g < G; g += HEADS_D64) {
         const int n = G - g < HEADS_D64 ? G - g : HEADS_D64;
-        float *a = acc + (int64_t)g * D;
-        if (n == 4)
-            values_d64_g4(a, vb, len, row_stride, corr + g, s + g, pk, pv);
-        else if (n == 3)
-            values_d64_g3(a, vb, len, row_stride, corr + g, s + g, pk, pv);
-        else if (n == 2)
-            values_d64_g2(a, vb, len, row_stride, corr + g, s + g, pk, pv);
-        else
-            values_d64_g1(a, vb, len, row_stride, corr + g, s + g, pk, pv);
+        BY_HEADS(n, values_d64, acc + (int64_t)g * D, vb, len, row_stride, corr + g, s + g, pk, pv);
     }
 }
 
@@ -378,14 +377,7 @@ static void block_values_bf16(float *acc, const elem_t *vb, int len, int row_str
         const int n = G - g < heads ? G - g : heads;
         float *a = acc + (int64_t)g * D;
         if (D == 64) {
-            if (n == 4)
-                values_bf16_d64_g4(a, vb, len, row_stride, corr + g, pairs + g, pk, pv);
-            else if (n == 3)
-                values_bf16_d64_g3(a, vb, len, row_stride, corr + g, pairs + g, pk, pv);
-            else if (n == 2)
-                values_bf16_d64_g2(a, vb, len, row_stride, corr + g, pairs + g, pk, pv);
-            else
-                values_bf16_d64_g1(a, vb, len, row_stride, corr + g, pairs + g, pk, pv);
+            BY_HEADS(n, values_bf16_d64, a, vb, len, row_stride, corr + g, pairs + g, pk, pv);
         } else if (D == 128) {
             if (n == 2)
                 values_bf16_d128_g2(a, vb, len, row_stride, corr + g, pairs + g, pk, pv);
