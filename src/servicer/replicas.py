@@ -107,8 +107,19 @@ class Replicas:
             client.kill(reason)
 
     @property
+    def failed(self) -> bool:
+        """Whether a rank has died: its own event is set at once, ``died`` only once the
+        watcher task runs, so a caller checking right after the death (a drain that ended
+        because the death ended its requests) must ask the ranks too."""
+        return self.died.is_set() or any(client.died.is_set() for client in self.ranks)
+
+    @property
+    def failure_reason(self) -> str:
+        return self.dead_reason or self._first_dead_reason()
+
+    @property
     def alive(self) -> bool:
-        return self.ready.is_set() and not self.died.is_set()
+        return self.ready.is_set() and not self.failed
 
     @property
     def model_info(self):

@@ -216,10 +216,10 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         watchdog = asyncio.create_task(_watchdog(client, server_config.watchdog_timeout_s))
         await asyncio.wait([died, stop_wait], return_when=asyncio.FIRST_COMPLETED)
         watchdog.cancel()
-        if not client.died.is_set():
+        if not client.failed:
             await _drain(client, health, server_config.shutdown_grace_s, abort_now)
-        if client.died.is_set():  # before or while draining
-            logger.error("scheduler failed: %s; exiting so a supervisor can restart us", client.dead_reason)
+        if client.failed:  # before or while draining
+            logger.error("scheduler failed: %s; exiting so a supervisor can restart us", client.failure_reason)
             return 1
         return 0
     finally:
