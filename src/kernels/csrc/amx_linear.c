@@ -31,6 +31,7 @@
 #include <omp.h>
 
 #include "amx_tiles.h"
+#include "bf16_avx512.h"
 #include "exp_avx512.h"
 
 #define TILE_ROWS 16
@@ -47,30 +48,20 @@ static void configure(int rows0, int rows1) {
 
 /* Rows of one accumulator tile (+ bias) rounded into out[:, n0:n0+16]. */
 static void store_tile(const float *acc, int rows, const uint16_t *bias, uint16_t *out, int64_t out_stride) {
-    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16))
-                          : _mm512_setzero_ps();
-    for (int r = 0; r < rows; r++) {
-        const __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b);
-        _mm256_storeu_si256((__m256i *)(out + r * out_stride), (__m256i)_mm512_cvtneps_pbh(v));
-    }
+    const __m512 b = bias ? load16(bias) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) store16(out + r * out_stride, _mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b));
 }
-
-/* 16 bf16 values -> 16 floats, and a float vector rounded to bf16 and back. */
-static inline __m512 widen16(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
-static inline __m512 round16(__m512 x) { return widen16((__m256i)_mm512_cvtneps_pbh(x)); }
 
 /* Gated pairs: out[:, 16 j : 16 j + 16] = silu(gate) * up from the accumulators of a gate
  * block and its up block, each rounded to bf16 first and silu rounded before the product,
  * exactly as the projection's bf16 output and then silu_mul (fused_ops.c) compute it. */
 static void store_gated_tile(const float *gate, const float *up, int rows, const uint16_t *bias, uint16_t *out,
                              int64_t out_stride) {
-    const __m512 bg = bias ? widen16(_mm256_loadu_si256((const __m256i *)bias)) : _mm512_setzero_ps();
-    const __m512 bu = bias ? widen16(_mm256_loadu_si256((const __m256i *)(bias + 16))) : _mm512_setzero_ps();
+    const __m512 bg = bias ? load16(bias) : _mm512_setzero_ps(), bu = bias ? load16(bias + 16) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
         const __m512 g = round16(_mm512_add_ps(_mm512_loadu_ps(gate + r * 16), bg));
         const __m512 u = round16(_mm512_add_ps(_mm512_loadu_ps(up + r * 16), bu));
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        _mm256_storeu_si256((__m256i *)(out + r * out_stride), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round16(silu), u)));
+        store16(out + r * out_stride, _mm512_mul_ps(round16(silu512(g)), u));
     }
 }
 
@@ -94,64 +85,64 @@ int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
         const int lines_per_step = (pair_lines + groups * ksteps - 1) / (groups * ksteps);
 #pragma omp for schedule(dynamic, 1) nowait
         for (int run = 0; run < runs; run++) {
-        const int first = (int)((int64_t)pairs * run / runs) * 2, last = (int)((int64_t)pairs * (run + 1) / runs) * 2;
-        for (int nb = first; nb < last && nb < blocks; nb += 2) {
-            const int two = nb + 1 < blocks;
-            const uint16_t *b0 = packed + nb * block_elems, *b1 = b0 + block_elems;
-            /* The next pair's tiles, fetched into L2 while this pair's are multiplied, spread
-             * over all its groups: memory stays busy while a group works from cache. */
-            const char *ahead = (const char *)(b0 + 2 * block_elems);
-            const char *ahead_end = ahead + (int64_t)pair_lines * 64 < packed_end ? ahead + (int64_t)pair_lines * 64 : packed_end;
-            for (int m0 = 0; m0 < M; m0 += 2 * TILE_ROWS) {
-                const int rows0 = M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS;
-                const int rest = M - m0 - TILE_ROWS, rows1 = rest <= 0 ? 0 : rest < TILE_ROWS ? rest : TILE_ROWS;
-                if (rows0 != configured0 || rows1 != configured1) {
-                    configure(rows0, rows1);
-                    configured0 = rows0, configured1 = rows1;
-                }
-                const uint16_t *a0 = x + m0 * x_stride, *a1 = a0 + TILE_ROWS * x_stride;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int kb = 0; kb < ksteps; kb++) {
-                    const int64_t k = (int64_t)kb * TILE_K, tile = (int64_t)kb * TILE_ROWS * TILE_K;
-                    _tile_loadd(4, a0 + k, x_stride * 2);
-                    for (int l = 0; l < lines_per_step && ahead < ahead_end; l++, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
-                    _tile_loadd(6, b0 + tile, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    if (two) {
-                        _tile_loadd(7, b1 + tile, 64);
-                        _tile_dpbf16ps(1, 4, 7);
+            const int first = (int)((int64_t)pairs * run / runs) * 2, last = (int)((int64_t)pairs * (run + 1) / runs) * 2;
+            for (int nb = first; nb < last && nb < blocks; nb += 2) {
+                const int two = nb + 1 < blocks;
+                const uint16_t *b0 = packed + nb * block_elems, *b1 = b0 + block_elems;
+                /* The next pair's tiles, fetched into L2 while this pair's are multiplied, spread
+                 * over all its groups: memory stays busy while a group works from cache. */
+                const char *ahead = (const char *)(b0 + 2 * block_elems);
+                const char *ahead_end = ahead + (int64_t)pair_lines * 64 < packed_end ? ahead + (int64_t)pair_lines * 64 : packed_end;
+                for (int m0 = 0; m0 < M; m0 += 2 * TILE_ROWS) {
+                    const int rows0 = M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS;
+                    const int rest = M - m0 - TILE_ROWS, rows1 = rest <= 0 ? 0 : rest < TILE_ROWS ? rest : TILE_ROWS;
+                    if (rows0 != configured0 || rows1 != configured1) {
+                        configure(rows0, rows1);
+                        configured0 = rows0, configured1 = rows1;
                     }
+                    const uint16_t *a0 = x + m0 * x_stride, *a1 = a0 + TILE_ROWS * x_stride;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int kb = 0; kb < ksteps; kb++) {
+                        const int64_t k = (int64_t)kb * TILE_K, tile = (int64_t)kb * TILE_ROWS * TILE_K;
+                        _tile_loadd(4, a0 + k, x_stride * 2);
+                        for (int l = 0; l < lines_per_step && ahead < ahead_end; l++, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
+                        _tile_loadd(6, b0 + tile, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (two) {
+                            _tile_loadd(7, b1 + tile, 64);
+                            _tile_dpbf16ps(1, 4, 7);
+                        }
+                        if (rows1) {
+                            _tile_loadd(5, a1 + k, x_stride * 2);
+                            _tile_dpbf16ps(2, 5, 6);
+                            if (two) _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    _tile_stored(0, acc[0], 64);
+                    if (two) _tile_stored(1, acc[1], 64);
                     if (rows1) {
-                        _tile_loadd(5, a1 + k, x_stride * 2);
-                        _tile_dpbf16ps(2, 5, 6);
-                        if (two) _tile_dpbf16ps(3, 5, 7);
+                        _tile_stored(2, acc[2], 64);
+                        if (two) _tile_stored(3, acc[3], 64);
                     }
-                }
-                _tile_stored(0, acc[0], 64);
-                if (two) _tile_stored(1, acc[1], 64);
-                if (rows1) {
-                    _tile_stored(2, acc[2], 64);
-                    if (two) _tile_stored(3, acc[3], 64);
-                }
-                const uint16_t *bb = bias ? bias + nb * 16 : NULL;
-                if (gated) { /* (blocks nb, nb + 1: a gate block and its up block) */
-                    uint16_t *o = out + m0 * out_stride + nb / 2 * 16;
-                    store_gated_tile(acc[0], acc[1], rows0, bb, o, out_stride);
-                    if (rows1) store_gated_tile(acc[2], acc[3], rows1, bb, o + TILE_ROWS * out_stride, out_stride);
-                    continue;
-                }
-                uint16_t *o = out + m0 * out_stride + nb * 16;
-                store_tile(acc[0], rows0, bb, o, out_stride);
-                if (two) store_tile(acc[1], rows0, bb ? bb + 16 : NULL, o + 16, out_stride);
-                if (rows1) {
-                    store_tile(acc[2], rows1, bb, o + TILE_ROWS * out_stride, out_stride);
-                    if (two) store_tile(acc[3], rows1, bb ? bb + 16 : NULL, o + TILE_ROWS * out_stride + 16, out_stride);
+                    const uint16_t *bb = bias ? bias + nb * 16 : NULL;
+                    if (gated) { /* (blocks nb, nb + 1: a gate block and its up block) */
+                        uint16_t *o = out + m0 * out_stride + nb / 2 * 16;
+                        store_gated_tile(acc[0], acc[1], rows0, bb, o, out_stride);
+                        if (rows1) store_gated_tile(acc[2], acc[3], rows1, bb, o + TILE_ROWS * out_stride, out_stride);
+                        continue;
+                    }
+                    uint16_t *o = out + m0 * out_stride + nb * 16;
+                    store_tile(acc[0], rows0, bb, o, out_stride);
+                    if (two) store_tile(acc[1], rows0, bb ? bb + 16 : NULL, o + 16, out_stride);
+                    if (rows1) {
+                        store_tile(acc[2], rows1, bb, o + TILE_ROWS * out_stride, out_stride);
+                        if (two) store_tile(acc[3], rows1, bb ? bb + 16 : NULL, o + TILE_ROWS * out_stride + 16, out_stride);
+                    }
                 }
             }
-        }
         }
         _tile_release();
     }

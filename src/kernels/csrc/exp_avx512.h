@@ -23,4 +23,9 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* silu(x) = x / (1 + e^-x) in 16 lanes. */
+static inline __m512 silu512(__m512 x) {
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
 #endif

@@ -29,19 +29,9 @@
  * GCC vectorises neither the bf16 rounding of st() nor expf well on its own. (The fp32 build
  * is as fast as it is, and keeps libm's expf.) */
 #if defined(ELEM_BF16) && defined(__AVX512BF16__)
+#include "bf16_avx512.h" /* load16, store16, round16: R() of 16 lanes */
 #include "exp_avx512.h"
 #define VEC16 1
-
-static inline __m512 load16(const elem_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-static inline void store16(elem_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
-
-static inline __m512 round16(__m512 v) { /* R() of 16 lanes */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
 #endif
 
 void KERNEL(add_rms_norm)(const elem_t *x, int64_t rs, int64_t cs, elem_t *residual, const elem_t *weight,
@@ -99,8 +89,7 @@ void KERNEL(silu_mul)(const elem_t *a, int64_t stride, int64_t up, elem_t *out, 
 #ifdef VEC16
         for (; k + 16 <= inner; k += 16) {
             const __m512 x = load16(g + k);
-            const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-            store16(o + k, _mm512_mul_ps(round16(silu), load16(u + k)));
+            store16(o + k, _mm512_mul_ps(round16(silu512(x)), load16(u + k)));
         }
 #endif
         for (; k < inner; k++) {

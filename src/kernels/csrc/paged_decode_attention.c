@@ -114,11 +114,10 @@ static inline void prefetch_some(Prefetch *pf) {
 
 #ifdef ELEM_BF16
 #if VF == 16
-/* 16 bf16 values -> 16 floats: one widening move and a shift (GCC splits the generic
- * vector conversion into 256-bit halves). */
-static inline vf loadvf(const elem_t *p) {
-    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
-}
+/* (load16: one widening move and a shift; GCC splits the generic vector conversion into
+ * 256-bit halves) */
+#include "bf16_avx512.h"
+#define loadvf(p) ((vf)load16(p))
 #else
 #define loadvf load8
 #endif
@@ -365,14 +364,15 @@ DEFINE_VALUES_BF16(values_bf16_d128_g1, 4, 1)
 DEFINE_VALUES_BF16(values_bf16_d128_g2, 4, 2)
 DEFINE_VALUES_BF16(values_bf16_d32_g1, 1, 1)
 
-/* Calls of a block's bf16 values pass per pair of tokens (for the prefetch's share). */
-static inline int bf16_value_calls(int G, int D) { return D == 64 ? (G + 3) / 4 : D == 128 ? (G + 1) / 2 : G * D / 32; }
+/* Calls of a block's bf16 values pass per pair of tokens (for the prefetch's share): head dims
+ * 64 and 128 take as many heads a call as the fp32 passes, the others a head's 32 dims. */
+static inline int bf16_value_calls(int G, int D) { return D == 64 || D == 128 ? value_chunks(G, D) : G * D / 32; }
 
 static void block_values_bf16(float *acc, const elem_t *vb, int len, int row_stride, int G, int D,
                               const float *corr, float s[][MAX_BLOCK], Prefetch *pk, Prefetch *pv) {
     uint32_t pairs[MAX_HEADS][MAX_BLOCK / 2] __attribute__((aligned(64)));
     for (int g = 0; g < G; g++) probability_pairs(s[g], len, pairs[g]);
-    const int heads = D == 64 ? 4 : D == 128 ? 2 : 1;
+    const int heads = D == 64 ? HEADS_D64 : D == 128 ? HEADS_D128 : 1; /* (4 and 2: VF is 16 here) */
     for (int g = 0; g < G; g += heads) {
         const int n = G - g < heads ? G - g : heads;
         float *a = acc + (int64_t)g * D;
@@ -438,8 +438,8 @@ static inline void block_scores_amx(const uint32_t (*qt)[16][16], const elem_t *
 #endif
 
 /* One query head's online softmax over a block's scores s[0, len): s becomes exp(s - the new
- * max), with zeros past len up to the next multiple of VF (the bf16 values pass reads whole
- * vectors); the running max m and sum l are updated; returns the rescale of the earlier
+ * max) (with AVX-512, zeros past len up to the next multiple of 16: the bf16 values pass reads
+ * whole vectors); the running max m and sum l are updated; returns the rescale of the earlier
  * output. */
 static inline float block_softmax(float *s, int len, float *m, float *l) {
 #ifdef __AVX512F__

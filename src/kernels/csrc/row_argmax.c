@@ -63,10 +63,7 @@ static inline float dot_f32(const float *a, const float *b, int H) {
 
 /* Token j's bound e_j (as above), 16 at a time with AVX-512. */
 #ifdef __AVX512F__
-#include <immintrin.h>
-static inline __m512 logits16(const elem_t *a) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)a)), 16));
-}
+#include "bf16_avx512.h"
 static inline __m512 bound16(__m512 v, __m512 c1, __m512 c2, const float *d, const float *m) {
     const __m512 rel = _mm512_mul_ps(_mm512_abs_ps(v), _mm512_set1_ps(1.f / 256));
     return _mm512_fmadd_ps(c1, _mm512_loadu_ps(d), _mm512_fmadd_ps(c2, _mm512_loadu_ps(m), rel));
@@ -85,7 +82,7 @@ void KERNEL(screened_argmax)(const elem_t *approx, int64_t as, const float *s1, 
         const __m512 v1 = _mm512_set1_ps(c1), v2 = _mm512_set1_ps(c2);
         __m512 low = _mm512_set1_ps(-FLT_MAX);
         for (; j + 16 <= n; j += 16) {
-            const __m512 v = logits16(a + j);
+            const __m512 v = load16(a + j);
             low = _mm512_max_ps(low, _mm512_sub_ps(v, bound16(v, v1, v2, d + j, m + j)));
         }
         lowest = _mm512_reduce_max_ps(low);
@@ -101,7 +98,7 @@ void KERNEL(screened_argmax)(const elem_t *approx, int64_t as, const float *s1, 
 #ifdef __AVX512F__
         const __m512 cut = _mm512_set1_ps(lowest);
         for (; j + 16 <= n; j += 16) {
-            const __m512 v = logits16(a + j);
+            const __m512 v = load16(a + j);
             __mmask16 reach = _mm512_cmp_ps_mask(_mm512_add_ps(v, bound16(v, v1, v2, d + j, m + j)), cut, _CMP_GE_OQ);
             for (; reach; reach &= reach - 1) { /* (ascending: the first on ties stays) */
                 const int k = j + __builtin_ctz(reach);
