@@ -116,13 +116,14 @@ class CpuBackend(TorchBackend):
                 if not self.packed_weights:
                     module.packed_weight = module.packed_gated = module.packed_gated_bias = None
                 elif module.packed_weight is None and module.packed_gated is None:
-                    gated = None
-                    if module.gated and module.weight.shape[0] % 32 == 0 and module.weight.dtype == torch.bfloat16:
-                        gated = (
-                            cpu_kernels.amx_pack(cpu_kernels.gated_pairs(module.weight))
-                            if cpu_kernels.has_amx()
-                            else None
-                        )
+                    weight, gated = module.weight, None
+                    if (
+                        module.gated
+                        and weight.dtype == torch.bfloat16
+                        and weight.shape[0] % 32 == 0
+                        and cpu_kernels.has_amx()
+                    ):
+                        gated = cpu_kernels.amx_pack(cpu_kernels.gated_pairs(weight))
                     if gated is not None:
                         # the AMX kernel's fused silu(gate) * up: this copy serves that alone
                         module.packed_gated = gated

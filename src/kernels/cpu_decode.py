@@ -124,12 +124,9 @@ class LayerPlan:
             out = torch.empty(rows, n, dtype=self.dtype)
             if self.k["gemv"](x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), rows, n, k) == 0:
                 return out
-        elif self.k["amx"] is not None and packed is not None and linear.is_amx_packed(packed) and x.stride(1) == 1:
-            out = torch.empty(rows, n, dtype=self.dtype)
-            status = self.k["amx"](
-                x.data_ptr(), x.stride(0), packed.data_ptr(), _ptr(bias), out.data_ptr(), n, rows, n, k, 0
-            )
-            if status == 0:
+        elif self.k["amx"] is not None and packed is not None and linear.is_amx_packed(packed):
+            out = self.amx(x, packed, bias, n, k, gated=False)
+            if out is not None:
                 return out
         return linear.linear(x, weight, bias, False, packed)
 
@@ -138,30 +135,24 @@ class LayerPlan:
         the backend packed the weight for it (past the few-row kernel), else the projection,
         then silu_mul."""
         proj = self.projections[2]
-        rows, (n, k) = h.shape[0], proj.weight.shape
-        if (
-            self.k["amx"] is not None
-            and proj.packed_gated is not None
-            and rows > linear.few_rows_max(self.dtype, True)
-            and h.stride(1) == 1
-        ):
-            out = torch.empty(rows, n // 2, dtype=self.dtype)
-            bias = proj.packed_gated_bias
-            status = self.k["amx"](
-                h.data_ptr(),
-                h.stride(0),
-                proj.packed_gated.data_ptr(),
-                _ptr(bias),
-                out.data_ptr(),
-                n // 2,
-                rows,
-                n,
-                k,
-                1,
-            )
-            if status == 0:
+        few_rows = h.shape[0] <= linear.few_rows_max(self.dtype, True)
+        if self.k["amx"] is not None and proj.packed_gated is not None and not few_rows:
+            out = self.amx(h, proj.packed_gated, proj.packed_gated_bias, *proj.weight.shape, gated=True)
+            if out is not None:
                 return out
         return self.silu_mul(self.project(h, 2))
+
+    def amx(self, x: torch.Tensor, packed, bias, n: int, k: int, gated: bool) -> torch.Tensor | None:
+        """amx_linear.c on ``x``'s rows (``[rows, n]``, or ``[rows, n / 2]`` ``gated``), or None
+        where it declines (rows not unit-stride)."""
+        if x.stride(1) != 1:
+            return None
+        rows, width = x.shape[0], n // 2 if gated else n
+        out = torch.empty(rows, width, dtype=self.dtype)
+        status = self.k["amx"](
+            x.data_ptr(), x.stride(0), packed.data_ptr(), _ptr(bias), out.data_ptr(), width, rows, n, k, int(gated)
+        )
+        return out if status == 0 else None
 
     def norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``rms_norm(x)``, or ``rms_norm(x + residual)`` with ``residual`` updated in place."""

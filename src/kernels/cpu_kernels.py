@@ -371,8 +371,9 @@ def has_avx512() -> bool:
 
 
 def has_avx512_bf16() -> bool:
-    """Whether the CPU has AVX512-BF16's dot product: the bf16 decode attention kernel then
-    multiplies bf16 pairs directly, its probabilities rounded to bf16 for P.V."""
+    """Whether the CPU has AVX512-BF16 (its dot product and conversions): the bf16 decode
+    attention kernel then multiplies bf16 pairs directly, its probabilities rounded to bf16
+    for P.V, and an fp32 LM head can be screened by a bf16 one (screened_greedy.py)."""
     return "avx512_bf16" in _cpu_signature().split()
 
 

@@ -74,4 +74,4 @@ class ScreenedGreedyHead:
         norm, near_norm = wide.norm(dim=1), near.norm(dim=1)
         s1 = norm.mul(MARGIN).float()
         s2 = ((wide - near).norm(dim=1) + self.sum_error * (norm + near_norm)).mul(MARGIN).float()
-        return cpu_kernels.screened_argmax(approx.contiguous(), s1, s2, self.bounds, hidden, self.weight)
+        return cpu_kernels.screened_argmax(approx, s1, s2, self.bounds, hidden, self.weight)
