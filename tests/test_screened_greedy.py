@@ -40,21 +40,22 @@ def test_matches_the_full_head(rows, vocab, hidden_size):
 
 
 def test_near_ties_are_decided_by_the_fp32_logits():
-    """Tokens whose bf16 logits are equal but whose fp32 logits differ, and exact ties (the
-    first index wins, as argmax_rows picks)."""
+    """Tokens whose bf16 logits equal the winner's but whose fp32 logits are just above it, and
+    an exact tie (the first index wins, as argmax_rows picks)."""
     g = torch.Generator().manual_seed(1)
     vocab, hidden_size = 2048, 64
     weight = torch.randn(vocab, hidden_size, generator=g) * 0.05
     x = torch.randn(4, hidden_size, generator=g)
-    best = reference(x, weight)
-    for r in range(4):  # a row just above the winner, below bf16's resolution of the logit
-        row = weight[best[r]] * (1 + 2e-6)
-        weight[1000 + r] = row
-    weight[1500] = weight[1004 - 4]  # an exact duplicate of row 1000: ties it, later index
+    best = reference(x, weight).tolist()
+    for r in range(4):  # a copy of row r's winner 2e-6 larger: the same bf16 weights
+        weight[1000 + r] = weight[best[r]] * (1 + 2e-6)
+        assert torch.equal(weight[1000 + r].bfloat16(), weight[best[r]].bfloat16())
+    weight[1500] = weight[1000]  # row 0's new winner again, at a later index: an exact tie
+    expected = [1000 + best.index(b) for b in best]  # (rows sharing a winner share its copy)
+    assert reference(x, weight).tolist() == expected
     head = head_or_skip(weight)
-    full = linear.linear(x, weight)
-    assert torch.equal(head(x), sampling.argmax_rows(full))
-    assert torch.equal(head(x), reference(x, weight))
+    assert head(x).tolist() == expected
+    assert torch.equal(head(x), sampling.argmax_rows(linear.linear(x, weight)))
 
 
 def test_hidden_rows_a_stride_apart_and_declines():
@@ -66,9 +67,11 @@ def test_hidden_rows_a_stride_apart_and_declines():
     assert head(x.bfloat16()) is None
     assert ScreenedGreedyHead.build(weight.bfloat16()) is None
     assert ScreenedGreedyHead.build(weight, bias=torch.zeros(512)) is None
-    assert (
-        cpu_kernels.screened_argmax(torch.zeros(2, 512), torch.ones(2), torch.ones(2), head.bounds, x, weight) is None
-    )
+    ones = torch.ones(8)
+    approx = linear.linear(x.bfloat16(), weight.bfloat16())
+    assert cpu_kernels.screened_argmax(approx, ones, ones, head.bounds, x.contiguous(), weight) is not None
+    assert cpu_kernels.screened_argmax(approx.float(), ones, ones, head.bounds, x.contiguous(), weight) is None
+    assert cpu_kernels.screened_argmax(approx[:2], ones[:2], ones[:2], head.bounds, x.contiguous(), weight) is None
 
 
 class CountingHead:
