@@ -77,3 +77,19 @@ def test_loads_sum_across_ranks():
     total = sum_loads([a, b])
     assert (total.num_running, total.num_waiting, total.num_used_tokens, total.max_total_num_tokens) == (4, 1, 96, 2048)
     assert total.cache_hit_rate == 0.25
+
+
+def test_a_rank_that_died_fails_the_set_before_the_watcher_runs():
+    """The daemon's exit code after a drain reads ``failed``: a rank's own event counts at once,
+    not only when the watcher task has set the set's ``died`` (a race the drain could win)."""
+    reps = replicas(2)
+    try:
+        reps.ready.set()
+        assert reps.alive and not reps.failed
+        reps.ranks[1].dead_reason = "the scheduler process exited with code -9"
+        reps.ranks[1].died.set()
+        assert not reps.died.is_set()  # (the watcher has not run)
+        assert reps.failed and not reps.alive
+        assert reps.failure_reason == "DP rank 1: the scheduler process exited with code -9"
+    finally:
+        close(reps)
