@@ -25,7 +25,7 @@ from kernels.util import cdiv
 
 from . import tensor_parallel
 from .config import EngineConfig
-from .cpu_malloc import keep_freed_memory
+from .cpu_malloc import keep_freed_memory, zeros_on_huge_pages
 from .device import cpu_has_bf16, synchronize
 from .model_config import ModelConfig
 from .model_source import resolve_model
@@ -240,7 +240,10 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         mc = self.layer_config
         shape = (mc.num_layers, 2, self.num_cache_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":  # (decode reads it at scattered blocks: cpu_malloc.py)
+            self.kv_cache = zeros_on_huge_pages(shape, self.dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         logger.info(
             "KV cache: %d blocks x %d tokens (%.2f GiB, %s)",
