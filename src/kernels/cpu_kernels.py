@@ -145,10 +145,11 @@ def paged_decode_attention(
 ) -> torch.Tensor | None:
     """Decode attention straight from the paged cache; None when the native kernel does
     not apply (device, dtype, shapes, no compiler), so the caller uses the torch path.
-    ``shares``: the requests' blocks, end to end, are cut into this many equal shares run
-    in parallel (a request cut between two is attended in pieces, then merged); 0: one per
-    OpenMP thread, 1: no cut. ``max_seq_len``: ``max(seq_lens)`` where the caller knows it
-    on the host (no reduction per call); ``out``: a contiguous ``q``-shaped tensor to write."""
+    ``shares``: the requests' blocks, end to end, are cut into this many equal shares,
+    handed to the OpenMP threads as they free up (a request cut between two is attended in
+    pieces, then merged); 0: a few per thread (the kernel's SHARES_PER_THREAD), 1: no cut.
+    ``max_seq_len``: ``max(seq_lens)`` where the caller knows it on the host (no reduction
+    per call); ``out``: a contiguous ``q``-shaped tensor to write."""
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if (

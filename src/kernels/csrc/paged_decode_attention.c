@@ -842,10 +842,14 @@ static void write_merged(elem_t *out, const float *states, int parts, int64_t pa
 }
 
 /* The work is cut into `chunks` equal shares of all the requests' blocks taken end to end,
- * one share per thread: one core alone reads only a fraction of what all cores read from
- * DRAM, so one request, or a few of unequal lengths, would leave threads idle. A request
- * that straddles a cut is attended in pieces (split-KV, as flash-decoding does on GPUs)
- * whose softmax states are merged at the end: at most chunks - 1 requests. */
+ * SHARES_PER_THREAD per thread by default: one core alone reads only a fraction of what all
+ * cores read from DRAM, so one request, or a few of unequal lengths, would leave threads
+ * idle. The shares are handed out as threads free up: a thread the OS preempts (the
+ * servicer beside the scheduler on a small machine) leaves its later shares to the others
+ * instead of holding its whole half of the call. A request that straddles a cut is
+ * attended in pieces (split-KV, as flash-decoding does on GPUs) whose softmax states are
+ * merged at the end: at most chunks - 1 requests. */
+#define SHARES_PER_THREAD 2
 static inline int64_t blocks_of(int64_t seq, int block_size) {
     return seq > 0 ? (seq + block_size - 1) / block_size : 0;
 }
@@ -882,13 +886,13 @@ static int attend_prefixes(const elem_t *q, const elem_t *k_cache, const elem_t 
 }
 
 /* Returns 0, or -1 when out of memory (the caller then takes the torch path). `chunks` <= 0:
- * one per thread. */
+ * SHARES_PER_THREAD per thread. */
 int KERNEL(paged_decode_attention)(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache,
                                    const int64_t *block_tables, const int64_t *seq_lens, elem_t *out,
                                    int n, int H, int Hkv, int D, int block_size, int max_blocks,
                                    float scale, int chunks) {
     const int64_t part_floats = (int64_t)H * D + 2 * H; /* a state: acc [H * D], then m [H], then l [H] */
-    if (chunks <= 0) chunks = omp_get_max_threads();
+    if (chunks <= 0) chunks = SHARES_PER_THREAD * omp_get_max_threads();
     int status = -1;
     float *prefix_states = NULL, *partials = NULL;
     RowKey *keys = malloc(sizeof(RowKey) * (size_t)n);
@@ -944,7 +948,7 @@ int KERNEL(paged_decode_attention)(const elem_t *q, const elem_t *k_cache, const
         if (num_pieces[pieces[k].req] > 1) pieces[k].slot = num_partials++;
     partials = num_partials ? malloc(sizeof(float) * (size_t)(num_partials * part_floats)) : NULL;
     if (num_partials && !partials) goto done;
-#pragma omp parallel for schedule(static, 1)
+#pragma omp parallel for schedule(dynamic, 1)
     for (int c = 0; c < chunks; c++) {
         for (int k = first[c]; k < first[c + 1]; k++) {
             const Piece pc = pieces[k];
