@@ -846,7 +846,7 @@ static void write_merged(elem_t *out, const float *states, int parts, int64_t pa
  * cores read from DRAM, so one request, or a few of unequal lengths, would leave threads
  * idle. The shares are handed out as threads free up: a thread the OS preempts (the
  * servicer beside the scheduler on a small machine) leaves its later shares to the others
- * instead of holding its whole half of the call. A request that straddles a cut is
+ * instead of holding its whole part of the call. A request that straddles a cut is
  * attended in pieces (split-KV, as flash-decoding does on GPUs) whose softmax states are
  * merged at the end: at most chunks - 1 requests. */
 #define SHARES_PER_THREAD 2
