@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 
@@ -36,14 +37,23 @@ MADV_HUGEPAGE = 14
 HUGE_PAGE = 2 * 2**20
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """This process's C library on Linux (errno kept for madvise), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Apply the settings to this process; False where libc is not glibc or refuses them."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     if not ok:
@@ -51,19 +61,21 @@ def keep_freed_memory() -> bool:
     return ok
 
 
+def huge_page_range(t: torch.Tensor) -> tuple[int, int]:
+    """The whole 2 MiB pages inside ``t``'s memory, ``(start, end)`` addresses (empty when
+    ``end <= start``): advice past them would reach memory ``t`` does not own."""
+    start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
+    return start, end
+
+
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor whose whole 2 MiB pages are marked for transparent huge pages
     before they are first touched (so the kernel faults them in huge where it can); a
     plain one where the system does not take the advice."""
     t = torch.empty(shape, dtype=dtype)
-    start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
-    if end > start and sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            if libc.madvise(start, end - start, MADV_HUGEPAGE) != 0:
-                logger.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
-        except (OSError, AttributeError):
-            pass
+    start, end = huge_page_range(t)
+    libc = _libc()
+    if end > start and libc is not None and libc.madvise(start, end - start, MADV_HUGEPAGE) != 0:
+        logger.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
     return t.zero_()

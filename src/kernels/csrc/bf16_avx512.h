@@ -6,19 +6,18 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+/* 16 bf16 values (in a 256-bit vector) -> 16 floats. */
+static inline __m512 widen16(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
+
 /* 16 bf16 values -> 16 floats. */
-static inline __m512 load16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
+static inline __m512 load16(const uint16_t *p) { return widen16(_mm256_loadu_si256((const __m256i *)p)); }
 
 #ifdef __AVX512BF16__
 /* 16 floats rounded to bf16 and stored. */
 static inline void store16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
 
 /* 16 floats rounded to bf16 and widened back: a value as a bf16 tensor would hold it. */
-static inline __m512 round16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
+static inline __m512 round16(__m512 v) { return widen16((__m256i)_mm512_cvtneps_pbh(v)); }
 #endif
 
 #endif
