@@ -138,51 +138,45 @@ def test_bundled_greedy_and_logits_match_hf(bundled):
 
 
 def test_bundled_single_sequence_decode_matches_hf(bundled, monkeypatch):
-    """One sequence decodes through the native few-row projections (csrc/gemv.c), each layer
-    as its plan's direct kernel calls (kernels/cpu_decode.py)."""
+    """One sequence decodes through the native few-row projections (csrc/gemv.c), all layers
+    of each decode step in one native call (kernels/cpu_decode.py, csrc/decode_layers.c)."""
     from kernels import cpu_decode, cpu_kernels
 
     if cpu_kernels.load_library("gemv") is None:
         pytest.skip("no C compiler: native kernel unavailable")
-    gemv_calls, layer_calls = [], []
-    native_kernel, run_layer = cpu_kernels.native_kernel, cpu_decode.LayerPlan.__call__
+    head_calls, stack_calls = [], []
+    few_rows_linear, run_stack = cpu_kernels.few_rows_linear, cpu_decode.LayerStack.__call__
 
-    def counted_kernel(library, name, dtype):
-        kernel = native_kernel(library, name, dtype)
-        if name != "few_rows_linear" or kernel is None:
-            return kernel
-
-        def gemv(*args):
-            status = kernel(*args)
-            gemv_calls.append(status == 0)
-            return status
-
-        return gemv
-
-    def counted_layer(*args):
-        out = run_layer(*args)
-        layer_calls.append(out is not None)
+    def counted_head(*args):
+        out = few_rows_linear(*args)
+        head_calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(cpu_kernels, "native_kernel", counted_kernel)
-    monkeypatch.setattr(cpu_decode.LayerPlan, "__call__", counted_layer)
+    def counted_stack(*args):
+        out = run_stack(*args)
+        stack_calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_kernels, "few_rows_linear", counted_head)
+    monkeypatch.setattr(cpu_decode.LayerStack, "__call__", counted_stack)
     config, ours, hf, _, prompts = bundled
     outs, _ = PagedRunner(ours, config).generate([prompts[4]], 32, set(config.eos_token_ids))
     assert outs[0] == hf_reference(hf, prompts[4], 32)[0]
-    # Every layer of the 31 decode steps ran as its plan, and every projection of those steps
-    # (4 per layer, and the LM head) took the kernel.
-    assert sum(layer_calls) == 31 * config.num_layers
-    assert sum(gemv_calls) >= 31 * (4 * config.num_layers + 1)
+    # Each of the 31 decode steps ran its layers in one call, and its LM head on the kernel.
+    assert sum(stack_calls) == 31
+    assert sum(head_calls) >= 31
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_bundled_decode_layer_plans_equal_the_per_operation_path(bundled, dtype, packed, monkeypatch):
-    """A decode step's layers as direct kernel calls (cpu_decode.LayerPlan) compute exactly
-    what the per-operation path computes (same kernels, same order): the logits of 6 decode
-    steps at 1, 3, 4 (bf16's few-row limit), 5 and 12 rows, with and without packed weights
-    (past the few-row kernel the projections take linear.linear, or, on AMX-packed weights, the
-    tile kernel linear.linear would take)."""
+def test_bundled_decode_layers_native_equal_the_per_operation_path(bundled, dtype, packed, monkeypatch):
+    """A decode step's layers in one native call (cpu_decode.LayerStack) and one by one as
+    direct kernel calls (cpu_decode.LayerPlan) compute exactly what the per-operation path
+    computes (same kernels, same order): the logits of 6 decode steps at 1, 3, 4 (bf16's
+    few-row limit), 5 and 12 rows, with and without packed weights (past the few-row kernel
+    the projections take linear.linear, or, on AMX-packed weights, the tile kernel
+    linear.linear would take; the one call only runs steps whose projections all have native
+    kernels)."""
     import copy
 
     from kernels import cpu_decode, cpu_kernels, linear
@@ -196,8 +190,13 @@ def test_bundled_decode_layer_plans_equal_the_per_operation_path(bundled, dtype,
     if packed:
         CpuBackend(torch.device("cpu"), BLOCK, packed_weights=True).prepare_model(model)
     batches = [prompts[4:5], prompts[:3], prompts[:4], prompts[:5], (prompts * 3)[:12]]
-    layer_calls = []
-    run_layer = cpu_decode.LayerPlan.__call__
+    stack_calls, layer_calls = [], []
+    run_stack, run_layer = cpu_decode.LayerStack.__call__, cpu_decode.LayerPlan.__call__
+
+    def counted_stack(*args):
+        out = run_stack(*args)
+        stack_calls.append(out is not None)
+        return out
 
     def counted_layer(*args):
         out = run_layer(*args)
@@ -212,13 +211,22 @@ def test_bundled_decode_layer_plans_equal_the_per_operation_path(bundled, dtype,
         steps = [runner.step([([7 + j], len(p) + j, t) for p, t in zip(batch, tables)]) for j in range(6)]
         return torch.stack(steps)
 
+    monkeypatch.setattr(cpu_decode.LayerStack, "__call__", counted_stack)
     monkeypatch.setattr(cpu_decode.LayerPlan, "__call__", counted_layer)
-    with_plans = [decode_logits(batch) for batch in batches]
-    assert sum(layer_calls) == 6 * len(batches) * config.num_layers  # (every decode step's layers)
+    stacked = [decode_logits(batch) for batch in batches]
+    decode_steps = 6 * len(batches)
+    # every decode step ran natively, in one call at least up to bf16's few-row limit
+    assert sum(stack_calls) * config.num_layers + sum(layer_calls) == decode_steps * config.num_layers
+    assert sum(stack_calls) >= 6 * 3
+    monkeypatch.setattr(CpuBackend, "decoder_stack", lambda *args: None)
+    layer_calls.clear()
+    one_by_one = [decode_logits(batch) for batch in batches]
+    assert sum(layer_calls) == decode_steps * config.num_layers
     monkeypatch.setattr(CpuBackend, "decoder_layer", lambda *args: None)
     per_op = [decode_logits(batch) for batch in batches]
-    for batch, a, b in zip(batches, with_plans, per_op):
-        assert torch.equal(a, b), f"{len(batch)} rows: max |diff| {(a - b).abs().max().item()}"
+    for batch, a, b, c in zip(batches, stacked, one_by_one, per_op):
+        assert torch.equal(a, c), f"{len(batch)} rows, one call: max |diff| {(a - c).abs().max().item()}"
+        assert torch.equal(b, c), f"{len(batch)} rows, layer by layer: max |diff| {(b - c).abs().max().item()}"
 
 
 def _agreeing_prefix(a: list[int], b: list[int]) -> int:

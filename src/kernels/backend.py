@@ -93,6 +93,11 @@ class TorchBackend:
         sequence of the operations above."""
         return None
 
+    def decoder_stack(self, layers, rope: Rope, x, kv_caches: list[KVCache], meta):
+        """All decoder layers in one fused call: ``(output, residual)`` of the last, as the
+        layers one by one return them, or None to run them one by one."""
+        return None
+
 
 class CpuBackend(TorchBackend):
     """The reference with the native CPU kernels where they apply (each wrapper returns None
@@ -106,6 +111,8 @@ class CpuBackend(TorchBackend):
         # per decoder layer: (the K cache and dtype it was built for, its plan or None)
         self._plans: dict[nn.Module, tuple[torch.Tensor, torch.dtype, cpu_decode.LayerPlan | None]] = {}
         self._step: tuple[object, cpu_decode.DecodeStep | None] = (None, None)
+        # (the K caches it was built for, the layer stack or None)
+        self._stack: tuple[list[torch.Tensor], cpu_decode.LayerStack | None] = ([], None)
 
     def prepare_model(self, model: nn.Module) -> None:
         """A packed copy of every projection and the LM head for decode batches
@@ -186,18 +193,38 @@ class CpuBackend(TorchBackend):
     def decoder_layer(self, layer, rope: Rope, x, residual, kv_cache: KVCache, meta):
         """A decode-only step's layer as its native kernels called directly (``cpu_decode``);
         None for any other step."""
-        step_meta, step = self._step
-        if step_meta is not meta:  # the step's first layer: is it one for the plans?
-            step = cpu_decode.DecodeStep.build(meta, rope, x.shape[0]) if x.dim() == 2 and x.is_cpu else None
-            self._step = meta, step
+        step = self._decode_step(meta, rope, x)
+        plan = None if step is None else self._plan(layer, kv_cache, x.dtype)
+        return None if plan is None else plan(step, x, residual)
+
+    def decoder_stack(self, layers, rope: Rope, x, kv_caches: list[KVCache], meta):
+        """A decode-only step's layers in one native call (``cpu_decode.LayerStack``) where
+        all their projections have native kernels at its rows; None otherwise."""
+        step = self._decode_step(meta, rope, x)
         if step is None:
             return None
+        built_for, stack = self._stack
+        if len(built_for) != len(kv_caches) or any(k is not c[0] for k, c in zip(built_for, kv_caches)):
+            plans = [self._plan(layer, kv_cache, x.dtype) for layer, kv_cache in zip(layers, kv_caches)]
+            stack = cpu_decode.LayerStack.build(plans)
+            self._stack = [c[0] for c in kv_caches], stack
+        return None if stack is None or stack.dtype != x.dtype else stack(step, x)
+
+    def _decode_step(self, meta, rope: Rope, x) -> cpu_decode.DecodeStep | None:
+        """The step's metadata for the plans, built at its first layer; None for a step they
+        do not run."""
+        step_meta, step = self._step
+        if step_meta is not meta:
+            step = cpu_decode.DecodeStep.build(meta, rope, x.shape[0]) if x.dim() == 2 and x.is_cpu else None
+            self._step = meta, step
+        return step
+
+    def _plan(self, layer, kv_cache: KVCache, dtype: torch.dtype) -> cpu_decode.LayerPlan | None:
         cached = self._plans.get(layer)
-        if cached is None or cached[0] is not kv_cache[0] or cached[1] != x.dtype:
-            cached = (kv_cache[0], x.dtype, cpu_decode.LayerPlan.build(layer, kv_cache, x.dtype))
+        if cached is None or cached[0] is not kv_cache[0] or cached[1] != dtype:
+            cached = (kv_cache[0], dtype, cpu_decode.LayerPlan.build(layer, kv_cache, dtype))
             self._plans[layer] = cached
-        plan = cached[2]
-        return None if plan is None else plan(step, x, residual)
+        return cached[2]
 
 
 class TritonBackend(TorchBackend):

@@ -10,9 +10,15 @@ weights and KV cache when its :class:`LayerPlan` is built, the step's metadata o
 (csrc/fused_ops.c, gemv.c, paged_decode_attention.c, amx_linear.c on AMX-packed weights;
 ``linear.linear`` for other projections of more rows than the few-row kernel takes), called on
 pointers, so it computes exactly what that path computes.
+
+Where every projection of a step is on a native kernel, :class:`LayerStack` runs all the
+layers in one call (csrc/decode_layers.c, the same kernels in the same order), leaving no
+Python between them.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -71,6 +77,7 @@ class LayerPlan:
         self.q_norm = attn.q_norm.weight if attn.qk_norm else None
         self.k_norm = attn.k_norm.weight if attn.qk_norm else None
         self.projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        self.inner = mlp.gate_up_proj.weight.shape[0] // 2
 
     @staticmethod
     def build(layer, kv_cache, dtype: torch.dtype) -> LayerPlan | None:
@@ -111,6 +118,37 @@ class LayerPlan:
         amx = dtype == torch.bfloat16 and cpu_kernels.has_amx()  # (packed weights may be AMX tiles)
         kernels["amx"] = cpu_kernels.native_kernel("amx_linear", "amx_linear", dtype) if amx else None
         return LayerPlan(layer, kv_cache, dtype, kernels)
+
+    def amx_tiles(self, index: int) -> torch.Tensor | None:
+        """Projection ``index``'s AMX tiles where the AMX kernel is here to read them."""
+        packed = self.projections[index].packed_weight
+        return packed if self.k["amx"] is not None and packed is not None and linear.is_amx_packed(packed) else None
+
+    def gated_tiles(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The gate|up projection's tiles for the fused ``silu(gate) * up`` and their bias."""
+        proj = self.projections[2]
+        return (
+            None if self.k["amx"] is None or proj.packed_gated is None else (proj.packed_gated, proj.packed_gated_bias)
+        )
+
+    def few_rows_max(self, index: int) -> int:
+        return linear.few_rows_max(self.dtype, self.projections[index].packed_weight is not None)
+
+    def native_at(self, rows: int) -> bool:
+        """Whether :meth:`project` and :meth:`gate_up_silu` take native kernels at ``rows`` rows."""
+        gated = self.gated_tiles() is not None and rows > linear.few_rows_max(self.dtype, True)
+        return all(
+            (index == 2 and gated) or rows <= self.few_rows_max(index) or self.amx_tiles(index) is not None
+            for index in range(4)
+        )
+
+    def native_projection(self, index: int):
+        """Projection ``index`` as csrc/decode_layers.c's struct."""
+        proj = self.projections[index]
+        n, k = proj.weight.shape
+        return _Projection(
+            proj.weight.data_ptr(), _ptr(proj.bias), _ptr(self.amx_tiles(index)), n, k, self.few_rows_max(index)
+        )
 
     def project(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Projection ``index`` (q|k|v, o, gate|up, down) of ``x``, in the form ``linear.linear``
@@ -229,6 +267,157 @@ class LayerPlan:
         o = self.project(attn.view(rows, -1), 1)
         h = self.norm(o, residual, self.norm2, self.norm2_eps)
         return self.project(self.gate_up_silu(h), 3), residual
+
+
+class LayerStack:
+    """All decoder layers of a decode step as one call of csrc/decode_layers.c, built from
+    the layers' plans (:meth:`build`); it keeps the tensors it points to alive."""
+
+    def __init__(self, plans: list[LayerPlan], kernels: _Kernels, run, workspace):
+        first = plans[0]
+        self.plans, self.kernels, self.run, self.workspace = plans, kernels, run, workspace
+        self.dtype, self.hidden = first.dtype, first.norm1.numel()
+        self.layers = (_Layer * len(plans))(*(_layer(plan) for plan in plans))
+        self.shape = (first.heads, first.kv_heads, first.head_dim, self.hidden, first.inner, first.block_size)
+        self._native_at: dict[int, bool] = {}
+
+    @staticmethod
+    def build(plans: list[LayerPlan | None]) -> LayerStack | None:
+        """The stack, or None where a layer has no plan, the layers differ in shape or dtype,
+        or the library is not available."""
+        if not plans or any(plan is None for plan in plans):
+            return None
+        first = plans[0]
+        shape = (first.dtype, first.heads, first.kv_heads, first.head_dim, first.inner, first.block_size)
+        if any((p.dtype, p.heads, p.kv_heads, p.head_dim, p.inner, p.block_size) != shape for p in plans):
+            return None
+        run = cpu_kernels.native_kernel("decode_layers", "decode_layers", first.dtype)
+        workspace = cpu_kernels.native_kernel("decode_layers", "decode_layers_workspace", first.dtype)
+        if run is None or workspace is None:
+            return None
+        addresses = {name: _address(kernel) for name, kernel in first.k.items()}
+        if any(addresses[name] is None for name in ("norm", "silu_mul", "qkv", "gemv", "attention")):
+            return None
+        names = ("norm", "silu_mul", "qkv", "gemv", "amx", "attention")
+        return LayerStack(plans, _Kernels(*(addresses[name] for name in names)), run, workspace)
+
+    def native_at(self, rows: int) -> bool:
+        """Whether every projection of a ``rows``-row step has a native kernel (the few-row
+        kernel, or AMX tiles), as the one call needs."""
+        native = self._native_at.get(rows)
+        if native is None:
+            native = all(plan.native_at(rows) for plan in self.plans)
+            self._native_at[rows] = native
+        return native
+
+    def __call__(self, step: DecodeStep, x: torch.Tensor):
+        """``(output, residual)`` of the last layer on the embeddings ``x [rows, hidden]``, as
+        the layers one by one return them, or None (nothing written but KV cache rows a
+        per-layer run writes again) where the step is not for the one call."""
+        rows, heads, kv_heads, head_dim, hidden, inner, block_size = step.rows, *self.shape
+        if (
+            step.cos.shape[1] * 2 != head_dim
+            or x.dtype != self.dtype
+            or x.shape != (rows, hidden)
+            or not x.is_contiguous()
+            or not self.native_at(rows)
+        ):
+            return None
+        meta = step.meta
+        args = _Step(
+            rows,
+            heads,
+            kv_heads,
+            head_dim,
+            hidden,
+            inner,
+            block_size,
+            meta.decode_block_tables.shape[1],
+            step.cos.data_ptr(),
+            step.sin.data_ptr(),
+            step.cos.stride(0),
+            meta.slot_mapping.data_ptr(),
+            meta.decode_block_tables.data_ptr(),
+            meta.decode_seq_lens.data_ptr(),
+        )
+        workspace = torch.empty(self.workspace(ctypes.byref(args)), dtype=self.dtype)
+        if self.run(
+            ctypes.byref(self.kernels),
+            self.layers,
+            len(self.plans),
+            ctypes.byref(args),
+            x.data_ptr(),
+            workspace.data_ptr(),
+        ):
+            return None
+        size = rows * hidden
+        return workspace[:size].view(rows, hidden), workspace[size : 2 * size].view(rows, hidden)
+
+
+# csrc/decode_layers.c's structs
+_P, _I32, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("norm", "silu_mul", "qkv", "gemv", "amx", "attention")]
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("weight", _P), ("bias", _P), ("tiles", _P), ("n", _I32), ("k", _I32), ("gemv_max_rows", _I32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        *((name, _P) for name in ("norm1", "norm2", "q_norm", "k_norm")),
+        *((name, _F32) for name in ("norm1_eps", "norm2_eps", "qk_norm_eps", "scale")),
+        *((name, _Projection) for name in ("qkv", "o", "gate_up", "down")),
+        ("gated_tiles", _P),
+        ("gated_bias", _P),
+        ("gated_min_rows", _I32),
+        ("k_cache", _P),
+        ("v_cache", _P),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        *((name, _I32) for name in ("rows", "heads", "kv_heads", "head_dim", "hidden", "inter", "block_size")),
+        ("max_blocks", _I32),
+        ("cos", _P),
+        ("sin", _P),
+        ("rope_stride", ctypes.c_int64),
+        *((name, _P) for name in ("slots", "block_tables", "seq_lens")),
+    ]
+
+
+def _layer(plan: LayerPlan) -> _Layer:
+    qkv, o, gate_up, down = (plan.native_projection(i) for i in range(4))
+    gated = plan.gated_tiles()
+    gated_tiles, gated_bias = (None, None) if gated is None else gated
+    return _Layer(
+        _ptr(plan.norm1),
+        _ptr(plan.norm2),
+        _ptr(plan.q_norm),
+        _ptr(plan.k_norm),
+        plan.norm1_eps,
+        plan.norm2_eps,
+        plan.eps,
+        plan.scale,
+        qkv,
+        o,
+        gate_up,
+        down,
+        _ptr(gated_tiles),
+        _ptr(gated_bias),
+        linear.few_rows_max(plan.dtype, True) + 1,
+        plan.k_cache.data_ptr(),
+        plan.v_cache.data_ptr(),
+    )
+
+
+def _address(fn) -> int | None:
+    """A native kernel's address; None for none, or for anything else standing in for one."""
+    return ctypes.cast(fn, ctypes.c_void_p).value if isinstance(fn, ctypes._CFuncPtr) else None
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -109,6 +109,8 @@ _SIGNATURES = {
     "qkv_rope_store": (None, [_P, _I64, _I64, _P, _P, _F32, _P, _P, _I64] + [_P] * 6 + [_I32] * 4),
     "few_rows_linear": (ctypes.c_int, [_P] * 4 + [_I32] * 3),
     "amx_linear": (ctypes.c_int, [_P, _I64, _P, _P, _P, _I64] + [_I32] * 4),
+    "decode_layers": (ctypes.c_int, [_P] * 2 + [_I32] + [_P] * 3),
+    "decode_layers_workspace": (_I64, [_P]),
     "row_argmax": (None, [_P, _I64, _I32, _I32, _P]),
     "screened_argmax": (None, [_P, _I64, _P, _P, _P, _P, _I64, _P, _I32, _I32, _I32, _P]),
 }

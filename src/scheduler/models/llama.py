@@ -163,8 +163,12 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed(input_ids), None
         if self.config.embedding_multiplier != 1.0:  # (Granite)
             x = x * self.config.embedding_multiplier
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(ops, rope, x, residual, kv_cache, meta)
+        fused = ops.decoder_stack(self.model.layers, rope, x, kv_caches, meta) if self.tp is None else None
+        if fused is not None:
+            x, residual = fused
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches):
+                x, residual = layer(ops, rope, x, residual, kv_cache, meta)
         x, _ = self.model.norm(ops, x, residual)
         return x
 
