@@ -152,9 +152,9 @@ def test_bundled_single_sequence_decode_matches_hf(bundled, monkeypatch):
         head_calls.append(out is not None)
         return out
 
-    def counted_stack(*args):
-        out = run_stack(*args)
-        stack_calls.append(out is not None)
+    def counted_stack(stack, step, x):
+        out = run_stack(stack, step, x)
+        stack_calls.append(step.decode_only and out is not None)
         return out
 
     monkeypatch.setattr(cpu_kernels, "few_rows_linear", counted_head)
@@ -169,14 +169,14 @@ def test_bundled_single_sequence_decode_matches_hf(bundled, monkeypatch):
 
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_bundled_decode_layers_native_equal_the_per_operation_path(bundled, dtype, packed, monkeypatch):
-    """A decode step's layers in one native call (cpu_decode.LayerStack) and one by one as
-    direct kernel calls (cpu_decode.LayerPlan) compute exactly what the per-operation path
-    computes (same kernels, same order): the logits of 6 decode steps at 1, 3, 4 (bf16's
-    few-row limit), 5 and 12 rows, with and without packed weights (past the few-row kernel
-    the projections take linear.linear, or, on AMX-packed weights, the tile kernel
-    linear.linear would take; the one call only runs steps whose projections all have native
-    kernels)."""
+def test_bundled_native_layers_equal_the_per_operation_path(bundled, dtype, packed, monkeypatch):
+    """A step's layers in one native call (cpu_decode.LayerStack) and a decode step's one by
+    one as direct kernel calls (cpu_decode.LayerPlan) compute exactly what the per-operation
+    path computes (same kernels, same order): the logits of a prefill, then 6 decode steps at
+    1, 3, 4 (bf16's few-row limit), 5 and 12 rows that another prompt joins in two prefill
+    chunks (mixed steps), with and without packed weights (past the few-row kernel the
+    projections take linear.linear, or, on AMX-packed weights, the tile kernel linear.linear
+    would take; the one call only runs steps whose projections all have native kernels)."""
     import copy
 
     from kernels import cpu_decode, cpu_kernels, linear
@@ -190,12 +190,13 @@ def test_bundled_decode_layers_native_equal_the_per_operation_path(bundled, dtyp
     if packed:
         CpuBackend(torch.device("cpu"), BLOCK, packed_weights=True).prepare_model(model)
     batches = [prompts[4:5], prompts[:3], prompts[:4], prompts[:5], (prompts * 3)[:12]]
-    stack_calls, layer_calls = [], []
+    joining = prompts[1][:10]
+    stack_calls, layer_calls = [], []  # stack: (decode-only step, ran)
     run_stack, run_layer = cpu_decode.LayerStack.__call__, cpu_decode.LayerPlan.__call__
 
-    def counted_stack(*args):
-        out = run_stack(*args)
-        stack_calls.append(out is not None)
+    def counted_stack(stack, step, x):
+        out = run_stack(stack, step, x)
+        stack_calls.append((step.decode_only, out is not None))
         return out
 
     def counted_layer(*args):
@@ -203,30 +204,47 @@ def test_bundled_decode_layers_native_equal_the_per_operation_path(bundled, dtyp
         layer_calls.append(out is not None)
         return out
 
-    def decode_logits(batch: list[list[int]]) -> torch.Tensor:
-        """Each decode step's logits, every row fed the same tokens (token 7 + step)."""
+    def step_logits(batch: list[list[int]]) -> list[torch.Tensor]:
+        """Each step's logits: the batch's prefill, then 6 steps decoding it (every row fed
+        token 7 + step), which ``joining`` joins: its prompt in two chunks (steps 2 and 3),
+        then its decodes."""
         runner = PagedRunner(model, config, dtype=dtype)
-        tables = [[] for _ in batch]
-        runner.step([(p, 0, t) for p, t in zip(batch, tables)])
-        steps = [runner.step([([7 + j], len(p) + j, t) for p, t in zip(batch, tables)]) for j in range(6)]
-        return torch.stack(steps)
+        tables, joining_table, half = [[] for _ in batch], [], len(joining) // 2
+        logits = [runner.step([(p, 0, t) for p, t in zip(batch, tables)])]
+        for j in range(6):
+            chunks = [([7 + j], len(p) + j, t) for p, t in zip(batch, tables)]
+            if j == 2:
+                chunks.append((joining[:half], 0, joining_table))
+            elif j == 3:
+                chunks.append((joining[half:], half, joining_table))
+            elif j > 3:
+                chunks.append(([7 + j], len(joining) + j - 4, joining_table))
+            logits.append(runner.step(chunks))
+        return logits
 
     monkeypatch.setattr(cpu_decode.LayerStack, "__call__", counted_stack)
     monkeypatch.setattr(cpu_decode.LayerPlan, "__call__", counted_layer)
-    stacked = [decode_logits(batch) for batch in batches]
-    decode_steps = 6 * len(batches)
-    # every decode step ran natively, in one call at least up to bf16's few-row limit
-    assert sum(stack_calls) * config.num_layers + sum(layer_calls) == decode_steps * config.num_layers
-    assert sum(stack_calls) >= 6 * 3
+    stacked = [step_logits(batch) for batch in batches]
+    # every decode step ran natively (4 a batch), in one call at least up to bf16's few-row limit
+    decode_steps = 4 * len(batches)
+    stacked_decodes = sum(ran for decode_only, ran in stack_calls if decode_only)
+    assert stacked_decodes * config.num_layers + sum(layer_calls) == decode_steps * config.num_layers
+    assert stacked_decodes >= 2 * 3
+    stacked_mixed = sum(ran for decode_only, ran in stack_calls if not decode_only)
+    if dtype == torch.float32:  # the mixed steps of 1 and 3 decodes beside a chunk of 5 (few-row kernel)
+        assert stacked_mixed >= 4
+    if packed and cpu_kernels.has_amx() and dtype == torch.bfloat16:  # AMX tiles at any rows: every step
+        assert stacked_decodes + stacked_mixed == 7 * len(batches)
     monkeypatch.setattr(CpuBackend, "decoder_stack", lambda *args: None)
     layer_calls.clear()
-    one_by_one = [decode_logits(batch) for batch in batches]
+    one_by_one = [step_logits(batch) for batch in batches]
     assert sum(layer_calls) == decode_steps * config.num_layers
     monkeypatch.setattr(CpuBackend, "decoder_layer", lambda *args: None)
-    per_op = [decode_logits(batch) for batch in batches]
+    per_op = [step_logits(batch) for batch in batches]
     for batch, a, b, c in zip(batches, stacked, one_by_one, per_op):
-        assert torch.equal(a, c), f"{len(batch)} rows, one call: max |diff| {(a - c).abs().max().item()}"
-        assert torch.equal(b, c), f"{len(batch)} rows, layer by layer: max |diff| {(b - c).abs().max().item()}"
+        for j, (x, y, z) in enumerate(zip(a, b, c)):
+            assert torch.equal(x, z), f"{len(batch)} rows, step {j}, one call: max |diff| {(x - z).abs().max()}"
+            assert torch.equal(y, z), f"{len(batch)} rows, step {j}, layer by layer: max |diff| {(y - z).abs().max()}"
 
 
 def _agreeing_prefix(a: list[int], b: list[int]) -> int:

@@ -198,8 +198,8 @@ class CpuBackend(TorchBackend):
         return None if plan is None else plan(step, x, residual)
 
     def decoder_stack(self, layers, rope: Rope, x, kv_caches: list[KVCache], meta):
-        """A decode-only step's layers in one native call (``cpu_decode.LayerStack``) where
-        all their projections have native kernels at its rows; None otherwise."""
+        """A step's layers in one native call (``cpu_decode.LayerStack``) where all their
+        projections have native kernels at its rows; None otherwise."""
         step = self._decode_step(meta, rope, x)
         if step is None:
             return None

@@ -1,4 +1,4 @@
-"""A CPU decode step's decoder layer as direct native calls.
+"""A CPU step's decoder layers as direct native calls.
 
 At a few rows (one request, or a handful) a step's kernels take microseconds each, while the
 per-operation path around them (the model's modules, the backend, and each ``cpu_kernels``
@@ -11,8 +11,9 @@ weights and KV cache when its :class:`LayerPlan` is built, the step's metadata o
 ``linear.linear`` for other projections of more rows than the few-row kernel takes), called on
 pointers, so it computes exactly what that path computes.
 
-Where every projection of a step is on a native kernel, :class:`LayerStack` runs all the
-layers in one call (csrc/decode_layers.c, the same kernels in the same order), leaving no
+Where every projection of a step (decode, or with prefill chunks) is on a native kernel,
+:class:`LayerStack` runs all the layers in one call (csrc/decode_layers.c, the same kernels in
+the same order, the prefill chunks' attention on csrc/paged_prefill_attention.c), leaving no
 Python between them.
 """
 
@@ -32,11 +33,13 @@ def _ok(dtype: torch.dtype, *tensors: torch.Tensor | None) -> bool:
 
 
 class DecodeStep:
-    """A decode-only step's metadata as the kernels read it; :meth:`build` gives None for a
-    step the plans do not run (one with prefill rows)."""
+    """A step's metadata as the kernels read it: its decode rows first, then (for
+    :class:`LayerStack` alone) its prefill chunks; :meth:`build` gives None for a step the
+    kernels do not read."""
 
     def __init__(self, meta: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, rows: int):
         self.meta, self.cos, self.sin, self.rows = meta, cos, sin, rows
+        self.decode_only = not meta.prefills
 
     @staticmethod
     def build(meta, rope: tuple[torch.Tensor, torch.Tensor], rows: int) -> DecodeStep | None:
@@ -44,12 +47,8 @@ class DecodeStep:
         if not (
             isinstance(meta, AttentionMetadata)
             and rows > 0
-            and meta.num_decodes == rows
-            and not meta.prefills
-            and _ok(torch.int64, meta.decode_block_tables, meta.decode_seq_lens, meta.slot_mapping)
-            and meta.decode_block_tables.dim() == 2
+            and _ok(torch.int64, meta.slot_mapping)
             and meta.slot_mapping.shape == (rows,)
-            and meta.decode_max_seq_len <= meta.decode_block_tables.shape[1] * meta.block_size
             and cos.dtype == sin.dtype == torch.float32
             and cos.is_cpu
             and sin.is_cpu
@@ -59,7 +58,22 @@ class DecodeStep:
             and cos.stride(0) == sin.stride(0)
         ):
             return None
-        return DecodeStep(meta, cos, sin, rows)
+        decodes = meta.num_decodes
+        if decodes and not (
+            _ok(torch.int64, meta.decode_block_tables, meta.decode_seq_lens)
+            and meta.decode_block_tables.dim() == 2
+            and meta.decode_max_seq_len <= meta.decode_block_tables.shape[1] * meta.block_size
+        ):
+            return None
+        if meta.prefills and not (
+            _ok(torch.int64, meta.prefill_segments, meta.prefill_block_tables)
+            and meta.prefill_block_tables.dim() == 2
+            and meta.prefill_segments.shape == (len(meta.prefills), 3)
+            and meta.prefills[-1].q_end == rows
+            and meta.prefills[0].q_start == decodes
+        ):
+            return None
+        return DecodeStep(meta, cos, sin, rows) if decodes == rows or meta.prefills else None
 
 
 class LayerPlan:
@@ -92,6 +106,7 @@ class LayerPlan:
             "attention": cpu_kernels.native_kernel("paged_decode_attention", "paged_decode_attention", dtype),
             "gemv": cpu_kernels.native_kernel("gemv", "few_rows_linear", dtype),
         }
+        prefill_attention = cpu_kernels.native_kernel("paged_prefill_attention", "paged_prefill_attention", dtype)
         projections = qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
         heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         hidden = layer.input_layernorm.weight.numel()
@@ -117,6 +132,7 @@ class LayerPlan:
             return None
         amx = dtype == torch.bfloat16 and cpu_kernels.has_amx()  # (packed weights may be AMX tiles)
         kernels["amx"] = cpu_kernels.native_kernel("amx_linear", "amx_linear", dtype) if amx else None
+        kernels["prefill_attention"] = prefill_attention  # (for LayerStack's steps with prefill chunks)
         return LayerPlan(layer, kv_cache, dtype, kernels)
 
     def amx_tiles(self, index: int) -> torch.Tensor | None:
@@ -214,7 +230,12 @@ class LayerPlan:
         """The layer on ``x [rows, hidden]``: ``(output, residual)`` as ``DecoderLayer.forward``
         returns them, or None (nothing done) for rope tables or an ``x`` it does not read."""
         rows, dt, hd, meta = step.rows, self.dtype, self.head_dim, step.meta
-        if step.cos.shape[1] * 2 != hd or x.dtype != dt or (residual is None and not x.is_contiguous()):
+        if (
+            not step.decode_only
+            or step.cos.shape[1] * 2 != hd
+            or x.dtype != dt
+            or (residual is None and not x.is_contiguous())
+        ):
             return None
         if residual is None:  # the first layer: the residual stream starts as x
             h, residual = self.norm(x, None, self.norm1, self.norm1_eps), x
@@ -295,11 +316,10 @@ class LayerStack:
         workspace = cpu_kernels.native_kernel("decode_layers", "decode_layers_workspace", first.dtype)
         if run is None or workspace is None:
             return None
-        addresses = {name: _address(kernel) for name, kernel in first.k.items()}
+        addresses = {name: _address(first.k.get(name)) for name in _KERNELS}
         if any(addresses[name] is None for name in ("norm", "silu_mul", "qkv", "gemv", "attention")):
-            return None
-        names = ("norm", "silu_mul", "qkv", "gemv", "amx", "attention")
-        return LayerStack(plans, _Kernels(*(addresses[name] for name in names)), run, workspace)
+            return None  # (amx and prefill_attention are optional: steps that need them decline)
+        return LayerStack(plans, _Kernels(*(addresses[name] for name in _KERNELS)), run, workspace)
 
     def native_at(self, rows: int) -> bool:
         """Whether every projection of a ``rows``-row step has a native kernel (the few-row
@@ -324,6 +344,9 @@ class LayerStack:
         ):
             return None
         meta = step.meta
+        decodes, prefills = meta.num_decodes, meta.prefill_segments
+        if prefills is not None and (self.kernels.prefill_attention is None or head_dim % 16):
+            return None
         args = _Step(
             rows,
             heads,
@@ -332,13 +355,18 @@ class LayerStack:
             hidden,
             inner,
             block_size,
-            meta.decode_block_tables.shape[1],
             step.cos.data_ptr(),
             step.sin.data_ptr(),
             step.cos.stride(0),
             meta.slot_mapping.data_ptr(),
-            meta.decode_block_tables.data_ptr(),
-            meta.decode_seq_lens.data_ptr(),
+            decodes,
+            meta.decode_block_tables.shape[1] if decodes else 0,
+            _ptr(meta.decode_block_tables) if decodes else None,
+            _ptr(meta.decode_seq_lens) if decodes else None,
+            0 if prefills is None else prefills.shape[0],
+            0 if prefills is None else meta.prefill_block_tables.shape[1],
+            _ptr(prefills),
+            _ptr(meta.prefill_block_tables),
         )
         workspace = torch.empty(self.workspace(ctypes.byref(args)), dtype=self.dtype)
         if self.run(
@@ -356,10 +384,11 @@ class LayerStack:
 
 # csrc/decode_layers.c's structs
 _P, _I32, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_KERNELS = ("norm", "silu_mul", "qkv", "gemv", "amx", "attention", "prefill_attention")
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("norm", "silu_mul", "qkv", "gemv", "amx", "attention")]
+    _fields_ = [(name, _P) for name in _KERNELS]
 
 
 class _Projection(ctypes.Structure):
@@ -382,11 +411,18 @@ class _Layer(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [
         *((name, _I32) for name in ("rows", "heads", "kv_heads", "head_dim", "hidden", "inter", "block_size")),
-        ("max_blocks", _I32),
         ("cos", _P),
         ("sin", _P),
         ("rope_stride", ctypes.c_int64),
-        *((name, _P) for name in ("slots", "block_tables", "seq_lens")),
+        ("slots", _P),
+        ("decodes", _I32),
+        ("decode_max_blocks", _I32),
+        ("decode_tables", _P),
+        ("decode_seq_lens", _P),
+        ("prefills", _I32),
+        ("prefill_max_blocks", _I32),
+        ("prefill_segments", _P),
+        ("prefill_tables", _P),
     ]
 
 

@@ -1,6 +1,8 @@
-/* All decoder layers of a decode step in one call: the same kernels, in the same order and
- * on the same inputs, as a layer of kernels/cpu_decode.py (LayerPlan) calls one by one from
- * Python, so it computes exactly what that path computes. The kernels live in their own
+/* All decoder layers of a step in one call: the same kernels, in the same order and on the
+ * same inputs, as the model's per-operation path calls one by one from Python (through the
+ * wrappers of kernels/cpu_kernels.py, or a decode step's kernels/cpu_decode.py LayerPlan),
+ * so it computes exactly what that path computes. A step's rows are its decodes (one token
+ * each) and then its prefill chunks. The kernels live in their own
  * libraries; the caller passes their addresses (struct kernels). What one call saves is
  * the Python between the kernels, a fixed cost per layer that a small decode step feels.
  *
@@ -30,6 +32,10 @@ typedef int (*attention_fn)(const elem_t *q, const elem_t *k_cache, const elem_t
                             const int64_t *seq_lens, elem_t *out, int rows, int heads, int kv_heads, int head_dim,
                             int block_size, int max_blocks, float scale, int shares);
 
+typedef int (*prefill_attention_fn)(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache,
+                                    const int64_t *tables, int max_blocks, const int64_t *segments, int chunks,
+                                    elem_t *out, int heads, int kv_heads, int head_dim, int block_size, float scale);
+
 typedef struct {
     norm_fn norm;
     silu_mul_fn silu_mul;
@@ -37,6 +43,7 @@ typedef struct {
     gemv_fn gemv;
     amx_fn amx; /* NULL: no AMX tiles (fp32, or a CPU without AMX) */
     attention_fn attention;
+    prefill_attention_fn prefill_attention; /* NULL: steps with prefill chunks are not run here */
 } kernels;
 
 /* out[rows, n] = x[rows, k] @ weight.T + bias: the few-row kernel on the plain weight up to
@@ -56,10 +63,14 @@ typedef struct {
 } layer;
 
 typedef struct {
-    int rows, heads, kv_heads, head_dim, hidden, inter, block_size, max_blocks;
+    int rows, heads, kv_heads, head_dim, hidden, inter, block_size;
     const float *cos, *sin;
     int64_t rope_stride;
-    const int64_t *slots, *block_tables, *seq_lens;
+    const int64_t *slots;
+    int decodes, decode_max_blocks; /* the first rows: one token of a request each */
+    const int64_t *decode_tables, *decode_seq_lens;
+    int prefills, prefill_max_blocks; /* then the chunks: [first row, rows, keys] each */
+    const int64_t *prefill_segments, *prefill_tables;
 } step;
 
 static int project(const kernels *kn, const projection *p, const elem_t *x, elem_t *out, int rows) {
@@ -98,9 +109,16 @@ int KERNEL(decode_layers)(const kernels *kn, const layer *layers, int n_layers, 
         if ((status = project(kn, &L->qkv, h, qkv, rows))) return status;
         kn->qkv(qkv, qkv_width, 1, L->q_norm, L->k_norm, L->qk_norm_eps, s->cos, s->sin, s->rope_stride, s->slots,
                 L->k_cache, L->v_cache, q, k_new, v_new, rows, s->heads, s->kv_heads, s->head_dim);
-        status = kn->attention(q, L->k_cache, L->v_cache, s->block_tables, s->seq_lens, attn, rows, s->heads,
-                               s->kv_heads, s->head_dim, s->block_size, s->max_blocks, L->scale, 0);
-        if (status) return status;
+        if (s->decodes &&
+            (status = kn->attention(q, L->k_cache, L->v_cache, s->decode_tables, s->decode_seq_lens, attn,
+                                    s->decodes, s->heads, s->kv_heads, s->head_dim, s->block_size,
+                                    s->decode_max_blocks, L->scale, 0)))
+            return status;
+        if (s->prefills &&
+            (status = kn->prefill_attention(q, L->k_cache, L->v_cache, s->prefill_tables, s->prefill_max_blocks,
+                                            s->prefill_segments, s->prefills, attn, s->heads, s->kv_heads,
+                                            s->head_dim, s->block_size, L->scale)))
+            return status;
         if ((status = project(kn, &L->o, attn, x, rows))) return status;
         kn->norm(x, hidden, 1, residual, L->norm2, h, rows, hidden, L->norm2_eps);
         if (kn->amx && L->gated_tiles && rows >= L->gated_min_rows) {
