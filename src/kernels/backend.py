@@ -110,7 +110,7 @@ class CpuBackend(TorchBackend):
         self.packed_weights = packed_weights
         # per decoder layer: (the K cache and dtype it was built for, its plan or None)
         self._plans: dict[nn.Module, tuple[torch.Tensor, torch.dtype, cpu_decode.LayerPlan | None]] = {}
-        self._step: tuple[object, cpu_decode.DecodeStep | None] = (None, None)
+        self._step: tuple[object, cpu_decode.KernelStep | None] = (None, None)
         # (the K caches it was built for, the layer stack or None)
         self._stack: tuple[list[torch.Tensor], cpu_decode.LayerStack | None] = ([], None)
 
@@ -193,14 +193,14 @@ class CpuBackend(TorchBackend):
     def decoder_layer(self, layer, rope: Rope, x, residual, kv_cache: KVCache, meta):
         """A decode-only step's layer as its native kernels called directly (``cpu_decode``);
         None for any other step."""
-        step = self._decode_step(meta, rope, x)
+        step = self._kernel_step(meta, rope, x)
         plan = None if step is None else self._plan(layer, kv_cache, x.dtype)
         return None if plan is None else plan(step, x, residual)
 
     def decoder_stack(self, layers, rope: Rope, x, kv_caches: list[KVCache], meta):
         """A step's layers in one native call (``cpu_decode.LayerStack``) where all their
         projections have native kernels at its rows; None otherwise."""
-        step = self._decode_step(meta, rope, x)
+        step = self._kernel_step(meta, rope, x)
         if step is None:
             return None
         built_for, stack = self._stack
@@ -210,12 +210,12 @@ class CpuBackend(TorchBackend):
             self._stack = [c[0] for c in kv_caches], stack
         return None if stack is None or stack.dtype != x.dtype else stack(step, x)
 
-    def _decode_step(self, meta, rope: Rope, x) -> cpu_decode.DecodeStep | None:
+    def _kernel_step(self, meta, rope: Rope, x) -> cpu_decode.KernelStep | None:
         """The step's metadata for the plans, built at its first layer; None for a step they
         do not run."""
         step_meta, step = self._step
         if step_meta is not meta:
-            step = cpu_decode.DecodeStep.build(meta, rope, x.shape[0]) if x.dim() == 2 and x.is_cpu else None
+            step = cpu_decode.KernelStep.build(meta, rope, x.shape[0]) if x.dim() == 2 and x.is_cpu else None
             self._step = meta, step
         return step
 

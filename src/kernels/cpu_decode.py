@@ -6,7 +6,7 @@ wrapper checking dtypes, devices, shapes and strides again) adds thousands of Py
 operations per step: a large share of one request's decode step, and a fixed cost in every
 larger one (docs/performance.md). Here what does not change is checked once: a layer's
 weights and KV cache when its :class:`LayerPlan` is built, the step's metadata once per step
-(:class:`DecodeStep`). A layer is then the kernels the per-operation path would pick
+(:class:`KernelStep`). A layer is then the kernels the per-operation path would pick
 (csrc/fused_ops.c, gemv.c, paged_decode_attention.c, amx_linear.c on AMX-packed weights;
 ``linear.linear`` for other projections of more rows than the few-row kernel takes), called on
 pointers, so it computes exactly what that path computes.
@@ -32,7 +32,7 @@ def _ok(dtype: torch.dtype, *tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.dtype == dtype and t.is_cpu and t.is_contiguous()) for t in tensors)
 
 
-class DecodeStep:
+class KernelStep:
     """A step's metadata as the kernels read it: its decode rows first, then (for
     :class:`LayerStack` alone) its prefill chunks; :meth:`build` gives None for a step the
     kernels do not read."""
@@ -42,7 +42,7 @@ class DecodeStep:
         self.decode_only = not meta.prefills
 
     @staticmethod
-    def build(meta, rope: tuple[torch.Tensor, torch.Tensor], rows: int) -> DecodeStep | None:
+    def build(meta, rope: tuple[torch.Tensor, torch.Tensor], rows: int) -> KernelStep | None:
         cos, sin = rope
         if not (
             isinstance(meta, AttentionMetadata)
@@ -73,7 +73,7 @@ class DecodeStep:
             and meta.prefills[0].q_start == decodes
         ):
             return None
-        return DecodeStep(meta, cos, sin, rows) if decodes == rows or meta.prefills else None
+        return KernelStep(meta, cos, sin, rows) if decodes == rows or meta.prefills else None
 
 
 class LayerPlan:
@@ -226,7 +226,7 @@ class LayerPlan:
         self.k["silu_mul"](gate_up.data_ptr(), gate_up.stride(0), inner, out.data_ptr(), inner, rows, inner)
         return out
 
-    def __call__(self, step: DecodeStep, x: torch.Tensor, residual: torch.Tensor | None):
+    def __call__(self, step: KernelStep, x: torch.Tensor, residual: torch.Tensor | None):
         """The layer on ``x [rows, hidden]``: ``(output, residual)`` as ``DecoderLayer.forward``
         returns them, or None (nothing done) for rope tables or an ``x`` it does not read."""
         rows, dt, hd, meta = step.rows, self.dtype, self.head_dim, step.meta
@@ -330,7 +330,7 @@ class LayerStack:
             self._native_at[rows] = native
         return native
 
-    def __call__(self, step: DecodeStep, x: torch.Tensor):
+    def __call__(self, step: KernelStep, x: torch.Tensor):
         """``(output, residual)`` of the last layer on the embeddings ``x [rows, hidden]``, as
         the layers one by one return them, or None (nothing written but KV cache rows a
         per-layer run writes again) where the step is not for the one call."""
