@@ -291,8 +291,8 @@ class LayerPlan:
 
 
 class LayerStack:
-    """All decoder layers of a decode step as one call of csrc/decode_layers.c, built from
-    the layers' plans (:meth:`build`); it keeps the tensors it points to alive."""
+    """All decoder layers of a step as one call of csrc/decode_layers.c, built from the
+    layers' plans (:meth:`build`); it keeps the tensors it points to alive."""
 
     def __init__(self, plans: list[LayerPlan], kernels: _Kernels, run, workspace):
         first = plans[0]
