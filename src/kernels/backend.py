@@ -194,7 +194,7 @@ class CpuBackend(TorchBackend):
         """A decode-only step's layer as its native kernels called directly (``cpu_decode``);
         None for any other step."""
         step = self._kernel_step(meta, rope, x)
-        plan = None if step is None else self._plan(layer, kv_cache, x.dtype)
+        plan = None if step is None or not step.decode_only else self._plan(layer, kv_cache, x.dtype)
         return None if plan is None else plan(step, x, residual)
 
     def decoder_stack(self, layers, rope: Rope, x, kv_caches: list[KVCache], meta):
@@ -208,11 +208,11 @@ class CpuBackend(TorchBackend):
             plans = [self._plan(layer, kv_cache, x.dtype) for layer, kv_cache in zip(layers, kv_caches)]
             stack = cpu_decode.LayerStack.build(plans)
             self._stack = [c[0] for c in kv_caches], stack
-        return None if stack is None or stack.dtype != x.dtype else stack(step, x)
+        return None if stack is None else stack(step, x)
 
     def _kernel_step(self, meta, rope: Rope, x) -> cpu_decode.KernelStep | None:
-        """The step's metadata for the plans, built at its first layer; None for a step they
-        do not run."""
+        """The step's metadata as the kernels read it, built once per step; None for a step
+        they do not run."""
         step_meta, step = self._step
         if step_meta is not meta:
             step = cpu_decode.KernelStep.build(meta, rope, x.shape[0]) if x.dim() == 2 and x.is_cpu else None

@@ -92,6 +92,20 @@ class LayerPlan:
         self.k_norm = attn.k_norm.weight if attn.qk_norm else None
         self.projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         self.inner = mlp.gate_up_proj.weight.shape[0] // 2
+        # Which kernel each projection takes, as linear.linear would pick it: the few-row
+        # kernel up to few_rows[i] rows, past that AMX tiles where there are some (tiles[i]);
+        # gate|up with its silu in the AMX kernel (gated: tiles and bias) from gated_min_rows.
+        amx = kernels["amx"] is not None
+        self.few_rows = tuple(linear.few_rows_max(dtype, p.packed_weight is not None) for p in self.projections)
+        self.tiles = tuple(
+            p.packed_weight if amx and p.packed_weight is not None and linear.is_amx_packed(p.packed_weight) else None
+            for p in self.projections
+        )
+        gate_up = mlp.gate_up_proj
+        self.gated = (
+            (gate_up.packed_gated, gate_up.packed_gated_bias) if amx and gate_up.packed_gated is not None else None
+        )
+        self.gated_min_rows = linear.few_rows_max(dtype, True) + 1
 
     @staticmethod
     def build(layer, kv_cache, dtype: torch.dtype) -> LayerPlan | None:
@@ -106,7 +120,6 @@ class LayerPlan:
             "attention": cpu_kernels.native_kernel("paged_decode_attention", "paged_decode_attention", dtype),
             "gemv": cpu_kernels.native_kernel("gemv", "few_rows_linear", dtype),
         }
-        prefill_attention = cpu_kernels.native_kernel("paged_prefill_attention", "paged_prefill_attention", dtype)
         projections = qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
         heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         hidden = layer.input_layernorm.weight.numel()
@@ -132,38 +145,18 @@ class LayerPlan:
             return None
         amx = dtype == torch.bfloat16 and cpu_kernels.has_amx()  # (packed weights may be AMX tiles)
         kernels["amx"] = cpu_kernels.native_kernel("amx_linear", "amx_linear", dtype) if amx else None
-        kernels["prefill_attention"] = prefill_attention  # (for LayerStack's steps with prefill chunks)
-        return LayerPlan(layer, kv_cache, dtype, kernels)
-
-    def amx_tiles(self, index: int) -> torch.Tensor | None:
-        """Projection ``index``'s AMX tiles where the AMX kernel is here to read them."""
-        packed = self.projections[index].packed_weight
-        return packed if self.k["amx"] is not None and packed is not None and linear.is_amx_packed(packed) else None
-
-    def gated_tiles(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The gate|up projection's tiles for the fused ``silu(gate) * up`` and their bias."""
-        proj = self.projections[2]
-        return (
-            None if self.k["amx"] is None or proj.packed_gated is None else (proj.packed_gated, proj.packed_gated_bias)
+        # (for LayerStack's steps with prefill chunks)
+        kernels["prefill_attention"] = cpu_kernels.native_kernel(
+            "paged_prefill_attention", "paged_prefill_attention", dtype
         )
-
-    def few_rows_max(self, index: int) -> int:
-        return linear.few_rows_max(self.dtype, self.projections[index].packed_weight is not None)
+        return LayerPlan(layer, kv_cache, dtype, kernels)
 
     def native_at(self, rows: int) -> bool:
         """Whether :meth:`project` and :meth:`gate_up_silu` take native kernels at ``rows`` rows."""
-        gated = self.gated_tiles() is not None and rows > linear.few_rows_max(self.dtype, True)
+        gated = self.gated is not None and rows >= self.gated_min_rows
         return all(
-            (index == 2 and gated) or rows <= self.few_rows_max(index) or self.amx_tiles(index) is not None
+            (index == 2 and gated) or rows <= self.few_rows[index] or self.tiles[index] is not None
             for index in range(4)
-        )
-
-    def native_projection(self, index: int):
-        """Projection ``index`` as csrc/decode_layers.c's struct."""
-        proj = self.projections[index]
-        n, k = proj.weight.shape
-        return _Projection(
-            proj.weight.data_ptr(), _ptr(proj.bias), _ptr(self.amx_tiles(index)), n, k, self.few_rows_max(index)
         )
 
     def project(self, x: torch.Tensor, index: int) -> torch.Tensor:
@@ -172,26 +165,24 @@ class LayerPlan:
         ``linear.linear`` itself (whose result may stay column-major: the fused kernels read any
         strides)."""
         proj = self.projections[index]
-        weight, bias, packed = proj.weight, proj.bias, proj.packed_weight
+        weight, bias, tiles = proj.weight, proj.bias, self.tiles[index]
         rows, (n, k) = x.shape[0], weight.shape
-        if rows <= linear.few_rows_max(self.dtype, packed is not None) and x.is_contiguous():
+        if rows <= self.few_rows[index] and x.is_contiguous():
             out = torch.empty(rows, n, dtype=self.dtype)
             if self.k["gemv"](x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), rows, n, k) == 0:
                 return out
-        elif self.k["amx"] is not None and packed is not None and linear.is_amx_packed(packed):
-            out = self.amx(x, packed, bias, n, k, gated=False)
+        elif tiles is not None:
+            out = self.amx(x, tiles, bias, n, k, gated=False)
             if out is not None:
                 return out
-        return linear.linear(x, weight, bias, False, packed)
+        return linear.linear(x, weight, bias, False, proj.packed_weight)
 
     def gate_up_silu(self, h: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of the fused gate|up projection: in one AMX tile kernel where
         the backend packed the weight for it (past the few-row kernel), else the projection,
         then silu_mul."""
-        proj = self.projections[2]
-        few_rows = h.shape[0] <= linear.few_rows_max(self.dtype, True)
-        if self.k["amx"] is not None and proj.packed_gated is not None and not few_rows:
-            out = self.amx(h, proj.packed_gated, proj.packed_gated_bias, *proj.weight.shape, gated=True)
+        if self.gated is not None and h.shape[0] >= self.gated_min_rows:
+            out = self.amx(h, *self.gated, *self.projections[2].weight.shape, gated=True)
             if out is not None:
                 return out
         return self.silu_mul(self.project(h, 2))
@@ -227,15 +218,11 @@ class LayerPlan:
         return out
 
     def __call__(self, step: KernelStep, x: torch.Tensor, residual: torch.Tensor | None):
-        """The layer on ``x [rows, hidden]``: ``(output, residual)`` as ``DecoderLayer.forward``
-        returns them, or None (nothing done) for rope tables or an ``x`` it does not read."""
+        """The layer on ``x [rows, hidden]`` of a decode-only ``step``: ``(output, residual)`` as
+        ``DecoderLayer.forward`` returns them, or None (nothing done) for rope tables or an
+        ``x`` it does not read."""
         rows, dt, hd, meta = step.rows, self.dtype, self.head_dim, step.meta
-        if (
-            not step.decode_only
-            or step.cos.shape[1] * 2 != hd
-            or x.dtype != dt
-            or (residual is None and not x.is_contiguous())
-        ):
+        if step.cos.shape[1] * 2 != hd or x.dtype != dt or (residual is None and not x.is_contiguous()):
             return None
         if residual is None:  # the first layer: the residual stream starts as x
             h, residual = self.norm(x, None, self.norm1, self.norm1_eps), x
@@ -427,9 +414,11 @@ class _Step(ctypes.Structure):
 
 
 def _layer(plan: LayerPlan) -> _Layer:
-    qkv, o, gate_up, down = (plan.native_projection(i) for i in range(4))
-    gated = plan.gated_tiles()
-    gated_tiles, gated_bias = (None, None) if gated is None else gated
+    qkv, o, gate_up, down = (
+        _Projection(p.weight.data_ptr(), _ptr(p.bias), _ptr(tiles), *p.weight.shape, few_rows)
+        for p, tiles, few_rows in zip(plan.projections, plan.tiles, plan.few_rows)
+    )
+    gated_tiles, gated_bias = plan.gated or (None, None)
     return _Layer(
         _ptr(plan.norm1),
         _ptr(plan.norm2),
@@ -445,7 +434,7 @@ def _layer(plan: LayerPlan) -> _Layer:
         down,
         _ptr(gated_tiles),
         _ptr(gated_bias),
-        linear.few_rows_max(plan.dtype, True) + 1,
+        plan.gated_min_rows,
         plan.k_cache.data_ptr(),
         plan.v_cache.data_ptr(),
     )

@@ -11,7 +11,6 @@
  * caller reads back. x_in (the embeddings) is only read, and the KV cache writes repeat on
  * a second run, so after a failed call (a kernel out of memory) the caller can take the
  * per-layer path from the start. */
-#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -123,11 +122,11 @@ int KERNEL(decode_layers)(const kernels *kn, const layer *layers, int n_layers, 
         kn->norm(x, hidden, 1, residual, L->norm2, h, rows, hidden, L->norm2_eps);
         if (kn->amx && L->gated_tiles && rows >= L->gated_min_rows) {
             status = kn->amx(h, hidden, L->gated_tiles, L->gated_bias, act, inter, rows, 2 * inter, hidden, 1);
+            if (status) return status;
         } else {
             if ((status = project(kn, &L->gate_up, h, gate_up, rows))) return status;
             kn->silu_mul(gate_up, 2 * inter, inter, act, inter, rows, inter);
         }
-        if (status) return status;
         if ((status = project(kn, &L->down, act, x, rows))) return status;
     }
     return 0;
