@@ -247,6 +247,46 @@ def test_bundled_native_layers_equal_the_per_operation_path(bundled, dtype, pack
             assert torch.equal(y, z), f"{len(batch)} rows, step {j}, layer by layer: max |diff| {(y - z).abs().max()}"
 
 
+def test_bundled_a_failed_native_call_leaves_the_step_to_the_layers(bundled, monkeypatch):
+    """Where the one native call fails after running (a kernel out of memory), the layers run
+    the step again from the embeddings, which the call never writes, and rewrite the same KV
+    rows: the logits are those of the per-operation path."""
+    from kernels import cpu_decode, cpu_kernels
+
+    if cpu_kernels.load_library("gemv") is None:
+        pytest.skip("no C compiler: native kernel unavailable")
+    config, ours, _, _, prompts = bundled
+    build, failed = cpu_decode.LayerStack.build, []
+
+    def failing_build(plans):
+        stack = build(plans)
+        if stack is not None:
+            run = stack.run
+
+            def run_then_fail(*args):
+                failed.append(run(*args) == 0)
+                return -1
+
+            stack.run = run_then_fail
+        return stack
+
+    def step_logits() -> list[torch.Tensor]:
+        runner = PagedRunner(ours, config)
+        tables = [[] for _ in prompts[:3]]
+        logits = [runner.step([(p, 0, t) for p, t in zip(prompts[:3], tables)])]
+        for j in range(3):
+            logits.append(runner.step([([7 + j], len(p) + j, t) for p, t in zip(prompts[:3], tables)]))
+        return logits
+
+    monkeypatch.setattr(cpu_decode.LayerStack, "build", staticmethod(failing_build))
+    after_failures = step_logits()
+    assert sum(failed) >= 3  # the decode steps' calls ran in full before reporting failure
+    monkeypatch.setattr(CpuBackend, "decoder_stack", lambda *args: None)
+    monkeypatch.setattr(CpuBackend, "decoder_layer", lambda *args: None)
+    for j, (a, b) in enumerate(zip(after_failures, step_logits())):
+        assert torch.equal(a, b), f"step {j}: max |diff| {(a - b).abs().max()}"
+
+
 def _agreeing_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
